@@ -1,0 +1,96 @@
+"""Typed objects describing the fleet: endpoints, their scraped load, and immutable snapshots of both.
+
+This module is pure data (no I/O) so that `policies/` can depend on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One vLLM replica as discovery reports it."""
+
+    key: str  # stable identity: "namespace/pod" under Kubernetes, the URL for a static list
+    url: str  # base URL without a trailing slash, e.g. "http://10.0.0.7:8000"
+    accepting: bool = True  # may take new requests (EndpointSlice `ready`)
+    pool: str = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMetrics:
+    """What the last successful scrape of a replica's `/metrics` said."""
+
+    kv_cache_usage: float = 0.0  # fraction 0..1 of KV blocks in use
+    running: int = 0
+    waiting: int = 0
+    block_size: int | None = None  # tokens per KV block (vllm:cache_config_info)
+    num_gpu_blocks: int | None = None
+    running_lora_adapters: frozenset[str] = frozenset()
+    waiting_lora_adapters: frozenset[str] = frozenset()
+    scraped_at: float | None = None  # clock value of the last successful scrape, None if never
+    stale: bool = True  # the last scrape failed, was late, or never happened
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the replica's KV cache can hold, when cache_config_info was scraped."""
+        if self.block_size and self.num_gpu_blocks:
+            return self.block_size * self.num_gpu_blocks
+        return None
+
+
+UNSCRAPED = ReplicaMetrics()
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointState:
+    """An endpoint with everything routing knows about it at one instant."""
+
+    endpoint: Endpoint
+    metrics: ReplicaMetrics = UNSCRAPED
+    in_flight: int = 0  # requests this gateway has open on the replica
+    models: frozenset[str] = frozenset()  # served models and adapters; empty while unknown
+    healthy: bool = True  # passive health: False while its circuit breaker is open
+
+    @property
+    def key(self) -> str:
+        """The endpoint's stable identity."""
+        return self.endpoint.key
+
+    @property
+    def waiting(self) -> int:
+        """Queue depth from the last fresh scrape, 0 when metrics are stale."""
+        return 0 if self.metrics.stale else self.metrics.waiting
+
+    @property
+    def load(self) -> int:
+        """Load used for bounding: the gateway's in-flight count plus the replica's waiting queue."""
+        return self.in_flight + self.waiting
+
+    def serves(self, model: str) -> bool:
+        """Whether the replica serves `model`; an endpoint whose model list is unknown is assumed to."""
+        return not self.models or model in self.models
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    """Immutable view of every known endpoint at one instant; what policies decide on."""
+
+    endpoints: tuple[EndpointState, ...]
+    now: float = 0.0
+
+    def candidates(self, model: str) -> tuple[EndpointState, ...]:
+        """Endpoints that serve `model`, accept new requests and are healthy."""
+        return tuple(s for s in self.endpoints if s.endpoint.accepting and s.healthy and s.serves(model))
+
+    def known_models(self) -> frozenset[str]:
+        """Union of the models every endpoint reports."""
+        return frozenset().union(*(s.models for s in self.endpoints))
+
+    def get(self, key: str) -> EndpointState | None:
+        """The endpoint with this key, if present."""
+        for state in self.endpoints:
+            if state.key == key:
+                return state
+        return None

@@ -1,0 +1,23 @@
+"""Routing configuration: the knobs of request hashing, the prefix index, scorers and the picker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _default_weights() -> dict[str, float]:
+    return {"prefix": 3.0, "kv_cache": 1.0, "queue": 1.0, "load": 1.0}
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """Tunables for request hashing, the prefix index and the cache-aware picker."""
+
+    block_chars: int = 64  # characters per prefix block (about 16 tokens)
+    max_blocks: int = 256  # blocks hashed per request; later text is ignored for routing
+    affinity_blocks: int = 4  # leading blocks whose hash places a cold prefix (rendezvous)
+    load_bound: float = 1.25  # a replica over bound x mean load gets no new work
+    weights: dict[str, float] = field(default_factory=_default_weights)
+    index_default_blocks: int = 31_250  # per-replica index size when the KV capacity is unknown
+    index_max_total_blocks: int = 4_000_000  # all replicas together (about 400 MB worst case)
+    chars_per_token: float = 4.0  # to convert a replica's KV capacity in tokens to prefix blocks
