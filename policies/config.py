@@ -13,11 +13,11 @@ def _default_weights() -> dict[str, float]:
 class RoutingConfig:
     """Tunables for request hashing, the prefix index and the cache-aware picker."""
 
-    block_chars: int = 64  # characters per prefix block (about 16 tokens)
+    block_chars: int = 64  # UTF-8 bytes of serialized prompt per prefix block (about 16 tokens; 16 token ids)
     max_blocks: int = 256  # blocks hashed per request; later text is ignored for routing
     affinity_blocks: int = 4  # leading blocks whose hash places a cold prefix (rendezvous)
     load_bound: float = 1.25  # a replica over bound x mean load gets no new work
     weights: dict[str, float] = field(default_factory=_default_weights)
     index_default_blocks: int = 31_250  # per-replica index size when the KV capacity is unknown
-    index_max_total_blocks: int = 4_000_000  # all replicas together (about 400 MB worst case)
+    index_max_total_blocks: int = 1_000_000  # all replicas together, about 145 B each: ~145 MB worst case
     chars_per_token: float = 4.0  # to convert a replica's KV capacity in tokens to prefix blocks

@@ -49,3 +49,11 @@ class Policy(Protocol):
     def forget(self, endpoint_key: str) -> None:
         """Drop all state about an endpoint that left the fleet."""
         ...
+
+    def index_sizes(self) -> dict[str, int]:
+        """Prefix blocks the policy believes each endpoint holds; empty for policies without an index."""
+        ...
+
+    def index_bytes(self) -> int:
+        """Estimated memory of the policy's prefix index."""
+        ...

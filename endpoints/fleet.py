@@ -1,0 +1,87 @@
+"""The live fleet: discovery's endpoints joined with scraped metrics, served models and in-flight counts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+
+log = logging.getLogger(__name__)
+
+EndpointsListener = Callable[[Sequence[Endpoint]], None]
+RemovalListener = Callable[[str], None]
+
+
+class Fleet:
+    """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
+
+    def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._metrics = metrics
+        self._models = models
+        self._clock = clock
+        self._endpoints: dict[str, Endpoint] = {}
+        self._in_flight: Counter[str] = Counter()
+        self._set_listeners: list[EndpointsListener] = []
+        self._removal_listeners: list[RemovalListener] = []
+
+    def on_endpoints(self, listener: EndpointsListener) -> None:
+        """Call `listener` with the full endpoint list whenever discovery changes it."""
+        self._set_listeners.append(listener)
+
+    def on_removed(self, listener: RemovalListener) -> None:
+        """Call `listener` with the key of every endpoint that leaves the fleet."""
+        self._removal_listeners.append(listener)
+
+    def apply(self, endpoints: Sequence[Endpoint]) -> None:
+        """Replace the endpoint set with discovery's latest report."""
+        new = {e.key: e for e in endpoints}
+        removed = self._endpoints.keys() - new.keys()
+        for key in sorted(new.keys() - self._endpoints.keys()):
+            log.info("endpoint added key=%s url=%s accepting=%s", key, new[key].url, new[key].accepting)
+        for key, endpoint in new.items():
+            old = self._endpoints.get(key)
+            if old is not None and old != endpoint:
+                log.info("endpoint changed key=%s url=%s accepting=%s", key, endpoint.url, endpoint.accepting)
+        self._endpoints = new
+        for key in sorted(removed):
+            log.info("endpoint removed key=%s", key)
+            for listener in self._removal_listeners:
+                listener(key)
+        for set_listener in self._set_listeners:
+            set_listener(list(new.values()))
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """The endpoints discovery reports now, accepting or not."""
+        return list(self._endpoints.values())
+
+    def snapshot(self) -> FleetSnapshot:
+        """An immutable view of every endpoint with its metrics, models and in-flight count."""
+        states = tuple(
+            EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
+                          models=self._models(key))
+            for key, e in self._endpoints.items()
+        )
+        return FleetSnapshot(endpoints=states, now=self._clock())
+
+    def routable_count(self) -> int:
+        """How many endpoints may take new requests."""
+        return sum(1 for e in self._endpoints.values() if e.accepting)
+
+    def acquire(self, key: str) -> None:
+        """Count a request sent to `key` (at pick time, so the next pick sees it)."""
+        self._in_flight[key] += 1
+
+    def release(self, key: str) -> None:
+        """Count a request to `key` as finished."""
+        self._in_flight[key] -= 1
+        if self._in_flight[key] <= 0:
+            del self._in_flight[key]
+
+    def in_flight(self, key: str) -> int:
+        """Requests this gateway has open on `key`."""
+        return self._in_flight[key]

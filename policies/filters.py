@@ -1,0 +1,35 @@
+"""Filters: which candidates may take a request at all."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from endpoints.model import EndpointState
+from policies.framework import Cycle
+
+
+def load_cap(states: Sequence[EndpointState], load_bound: float) -> int:
+    """Consistent hashing with bounded loads: a replica may take one more request while its load is under this.
+
+    ceil(c * (total + 1) / n) rather than c x mean, so that with tiny loads (0 or 1 in flight) every
+    replica still has room for one request; with c >= 1 some replica is always under the cap.
+    """
+    total = sum(state.load for state in states)
+    return math.ceil(load_bound * (total + 1) / len(states))
+
+
+class BoundedLoadFilter:
+    """Keeps only the candidates whose load is under the bounded-load cap."""
+
+    name = "bounded-load"
+
+    def __init__(self, load_bound: float) -> None:
+        self.load_bound = load_bound
+
+    def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
+        """Candidates that may take one more request without exceeding the bound."""
+        if not candidates:
+            return ()
+        cap = load_cap(candidates, self.load_bound)
+        return tuple(state for state in candidates if state.load < cap)

@@ -1,0 +1,136 @@
+"""The gateway's parts and their lifecycle: discovery, scraping, the fleet, the policy and the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from endpoints.discovery import Discovery, StaticDiscovery, parse_endpoint_urls
+from endpoints.fleet import Fleet
+from endpoints.models import ModelLister
+from endpoints.scraper import MetricsScraper
+from policies import build_policy
+from policies.types import Policy
+from router.config import GatewayConfig
+from router.metrics import FleetCollector, GatewayMetrics
+from router.proxy import Forwarder, UpstreamTimeouts
+
+log = logging.getLogger(__name__)
+
+DiscoveryFactory = Callable[[GatewayConfig], Discovery]
+
+
+def default_discovery(config: GatewayConfig) -> Discovery:
+    """The discovery source the configuration names."""
+    if config.discovery == "kubernetes":
+        from endpoints.kubernetes import EndpointSliceWatcher  # imports the kubernetes client lazily
+        from endpoints.multi_discovery import MultiDiscovery
+
+        watchers = [EndpointSliceWatcher(config.namespace, service, port_name=config.port_name, port=config.port,
+                                         read_timeout_s=config.watch_read_timeout) for service in config.service]
+        return watchers[0] if len(watchers) == 1 else MultiDiscovery(watchers)
+    return StaticDiscovery(parse_endpoint_urls(config.endpoints))
+
+
+class Gateway:
+    """Owns every long-lived part of one gateway instance; opened and closed by aiohttp's cleanup_ctx."""
+
+    def __init__(self, config: GatewayConfig, discovery: Discovery) -> None:
+        self.config = config
+        self.discovery = discovery
+        self.metrics = GatewayMetrics()
+        self.policy: Policy = build_policy(config.policy, config.routing)
+        self.draining = False
+        self.fleet: Fleet | None = None
+        self.forwarder: Forwarder | None = None
+        self.models: ModelLister | None = None
+        self.scraper: MetricsScraper | None = None
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether the gateway should receive traffic, and why not."""
+        if self.draining:
+            return False, "draining"
+        if self.fleet is None or not self.discovery.status.synced:
+            return False, "discovery has not listed the replicas yet"
+        if self.fleet.routable_count() == 0:
+            return False, "no routable replica"
+        return True, "ok"
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """aiohttp cleanup_ctx: open sessions and start background tasks, then close them after the drain."""
+        config = self.config
+        if config.discovery == "kubernetes":
+            from endpoints.kubernetes import load_kubernetes_config
+
+            await load_kubernetes_config()
+        proxy_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+        )
+        poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        self.scraper = MetricsScraper(poll_session, interval_s=config.scrape_interval,
+                                      timeout_s=min(config.scrape_timeout, config.scrape_interval))
+        self.models = ModelLister(poll_session, refresh_s=config.models_refresh)
+        self.fleet = Fleet(self.scraper.metrics, self.models.models)
+        self.fleet.on_endpoints(self.scraper.set_endpoints)
+        self.fleet.on_endpoints(self.models.set_endpoints)
+        self.fleet.on_removed(self.policy.forget)
+        self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,
+                                   UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
+                                                    config.request_timeout), config.retries)
+        self.metrics.add_collector(FleetCollector(
+            discovery=lambda: self.discovery.status,
+            endpoint_states=self._endpoint_states,
+            index_blocks=lambda: sum(self.policy.index_sizes().values()),
+            index_bytes=self.policy.index_bytes,
+        ))
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+            ("discovery", self.discovery.run(self.fleet.apply)),
+            ("scraper", self.scraper.run()),
+            ("models", self.models.run()),
+        )]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await proxy_session.close()
+            await poll_session.close()
+
+    def serves(self, model: str) -> bool:
+        """Whether some replica reports serving `model`."""
+        return self.models is not None and self.models.serves(model)
+
+    def describe(self) -> dict[str, Any]:
+        """The /debug/fleet view: replicas, scraped metrics and staleness, the policy's index, discovery."""
+        assert self.fleet is not None
+        snapshot = self.fleet.snapshot()
+        index = self.policy.index_sizes()
+        endpoints = []
+        for state in snapshot.endpoints:
+            metrics = state.metrics
+            endpoints.append({
+                "key": state.key, "url": state.endpoint.url, "pool": state.endpoint.pool,
+                "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
+                "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
+                "metrics": {
+                    "stale": metrics.stale, "kv_cache_usage": metrics.kv_cache_usage, "running": metrics.running,
+                    "waiting": metrics.waiting, "block_size": metrics.block_size,
+                    "num_gpu_blocks": metrics.num_gpu_blocks,
+                    "age_s": None if metrics.scraped_at is None else round(snapshot.now - metrics.scraped_at, 3),
+                },
+            })
+        return {"draining": self.draining, "ready": self.ready()[0], "policy": self.policy.name,
+                "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints}
+
+    def _endpoint_states(self) -> Iterator[tuple[str, bool, bool]]:
+        assert self.fleet is not None and self.scraper is not None
+        for endpoint in self.fleet.endpoints:
+            yield endpoint.key, endpoint.accepting, self.scraper.metrics(endpoint.key).stale

@@ -1,0 +1,197 @@
+"""Forwarding one inference request to the chosen replica and streaming the answer back unbuffered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from endpoints.fleet import Fleet
+from endpoints.model import EndpointState
+from policies.types import Decision, Policy
+from router.errors import GatewayError, error_body
+from router.headers import forwardable
+from router.metrics import GatewayMetrics
+from router.requests import ParsedRequest
+
+log = logging.getLogger(__name__)
+
+# vLLM answers this while shutting down: the request provably did not start, so another replica may take it.
+_VLLM_SHUTDOWN_BODY = b"Server is unavailable"
+_SSE = "text/event-stream"
+CLIENT_GONE = 499  # nginx's code for "client closed the request"; used in logs and metrics only
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    """How long to wait for a replica: to connect, between two chunks, and in total (0 = no limit)."""
+
+    connect: float
+    idle: float
+    total: float
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        """The aiohttp timeout for one upstream request."""
+        return aiohttp.ClientTimeout(total=self.total or None, sock_connect=self.connect, sock_read=self.idle)
+
+
+@dataclass
+class Outcome:
+    """What happened to one proxied request, for the log line and the metrics."""
+
+    request_id: str = "-"
+    arrived: float = 0.0  # time.monotonic() when the request arrived
+    status: int = 0
+    replica: str = "-"
+    ttfb: float | None = None
+    error: str | None = None  # kind of upstream failure, if any
+    attempts: int = 0
+
+
+class _Retryable(Exception):
+    """The replica provably did not start the request; another one may take it."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class Forwarder:
+    """Sends parsed requests to replicas chosen by the policy and relays responses chunk by chunk."""
+
+    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, policy: Policy, metrics: GatewayMetrics,
+                 timeouts: UpstreamTimeouts, retries: int) -> None:
+        self._session = session
+        self._fleet = fleet
+        self._policy = policy
+        self._metrics = metrics
+        self._timeout = timeouts.client_timeout()
+        self._retries = retries
+
+    def choose(self, parsed: ParsedRequest) -> Decision:
+        """Pick a replica for the request; raises 404 for an unknown model and 503 when none can take it."""
+        snapshot = self._fleet.snapshot()
+        decision = self._policy.pick(parsed.info, snapshot)
+        if decision is None:
+            model = parsed.info.model
+            if snapshot.endpoints and all(s.models for s in snapshot.endpoints) and \
+                    model not in snapshot.known_models():
+                raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+            raise GatewayError(503, "no replica can take this request now; retry shortly",
+                               headers={"Retry-After": "1"})
+        self._metrics.decisions.labels(self._policy.name, decision.reason).inc()
+        self._metrics.matched_fraction.observe(decision.matched_fraction)
+        return decision
+
+    async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
+                      outcome: Outcome) -> web.StreamResponse:
+        """Proxy the request, retrying on another replica only while nothing reached the client."""
+        headers = forwardable(request.headers)
+        headers["x-request-id"] = outcome.request_id
+        targets = [decision.endpoint, *decision.fallbacks][: self._retries + 1]
+        for attempt, target in enumerate(targets):
+            outcome.attempts = attempt + 1
+            outcome.replica = target.key
+            try:
+                return await self._attempt(request, parsed, target, headers, outcome)
+            except _Retryable as exc:
+                outcome.error = exc.cause
+                if attempt + 1 == len(targets):
+                    break
+                self._metrics.retries.labels(exc.cause).inc()
+                log.info("retrying id=%s replica=%s cause=%s", outcome.request_id, target.key, exc.cause)
+        raise GatewayError(503, "no replica could be reached; retry shortly", headers={"Retry-After": "1"})
+
+    async def _attempt(self, request: web.Request, parsed: ParsedRequest, target: EndpointState,
+                       headers: dict, outcome: Outcome) -> web.StreamResponse:
+        key = target.key
+        self._fleet.acquire(key)
+        self._policy.record(parsed.info, target)
+        gauge = self._metrics.in_flight.labels(key)
+        gauge.inc()
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            upstream, prefetched = await self._open(target, request, parsed, headers)
+            return await self._relay(request, upstream, prefetched, outcome)
+        finally:
+            gauge.dec()
+            self._fleet.release(key)
+            if upstream is not None:
+                # An unfinished body means the client or the replica went away: drop the connection so
+                # vLLM sees the disconnect and aborts the generation.
+                if upstream.content.is_eof():
+                    upstream.release()
+                else:
+                    upstream.close()
+
+    async def _open(self, target: EndpointState, request: web.Request, parsed: ParsedRequest,
+                    headers: dict) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Send the request; returns the response and its body when it had to be read already."""
+        url = target.endpoint.url + request.rel_url.path_qs
+        try:
+            upstream = await self._session.post(url, data=parsed.raw, headers=headers, timeout=self._timeout,
+                                                allow_redirects=False)
+        except aiohttp.ClientConnectorError as exc:
+            self._metrics.upstream_errors.labels("connect", target.key).inc()
+            log.warning("upstream connect failed replica=%s error=%s", target.key, exc.os_error or exc)
+            raise _Retryable("connect") from None
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            self._metrics.upstream_errors.labels("timeout", target.key).inc()
+            raise GatewayError(504, "the replica did not answer in time") from None
+        except aiohttp.ClientError as exc:
+            self._metrics.upstream_errors.labels("protocol", target.key).inc()
+            raise GatewayError(502, f"the replica failed before answering: {type(exc).__name__}") from None
+        if upstream.status != 503:
+            return upstream, None
+        body = await upstream.read()
+        upstream.release()
+        if _VLLM_SHUTDOWN_BODY in body:
+            raise _Retryable("replica_shutdown")
+        return upstream, body
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, prefetched: bytes | None,
+                     outcome: Outcome) -> web.StreamResponse:
+        """Write the replica's status, headers and body to the client as they arrive."""
+        is_sse = upstream.content_type == _SSE
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                      headers=forwardable(upstream.headers))
+        response.headers["x-request-id"] = outcome.request_id
+        if is_sse:
+            response.headers["X-Accel-Buffering"] = "no"
+            response.headers["Cache-Control"] = "no-cache"
+        elif upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        outcome.status = upstream.status
+        await response.prepare(request)
+        try:
+            if prefetched is not None:
+                outcome.ttfb = time.monotonic() - outcome.arrived
+                await response.write(prefetched)
+            else:
+                async for chunk in upstream.content.iter_any():
+                    if outcome.ttfb is None:
+                        outcome.ttfb = time.monotonic() - outcome.arrived
+                    await response.write(chunk)
+        except ConnectionResetError:
+            outcome.status = CLIENT_GONE  # the client left; closing the upstream aborts the generation
+            return response
+        except (asyncio.TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError) as exc:
+            kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream_broken"
+            outcome.error = kind
+            self._metrics.upstream_errors.labels(kind, outcome.replica).inc()
+            log.warning("upstream failed mid-response replica=%s kind=%s", outcome.replica, kind)
+            if is_sse:
+                message = "the replica stopped answering mid-stream" if kind == "idle_timeout" else \
+                    "the replica connection broke mid-stream"
+                await response.write(b"data: " + error_body(502, message) + b"\n\ndata: [DONE]\n\n")
+            else:
+                # A truncated plain body cannot be repaired; closing tells the client it is incomplete.
+                request.transport.close()
+                return response
+        await response.write_eof()
+        return response

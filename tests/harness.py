@@ -1,0 +1,71 @@
+"""Starting gateways and scripted replicas on 127.0.0.1 for tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from aiohttp import web
+
+from endpoints.discovery import Discovery
+from router.config import build_config
+from router.gateway import Gateway, default_discovery
+from router.server import GatewayServer
+
+
+class RunningGateway:
+    """A gateway serving on a free loopback port."""
+
+    def __init__(self, server: GatewayServer) -> None:
+        self.server = server
+        self.gateway = server.gateway
+        host, port = server.addresses[0]
+        self.url = f"http://{host}:{port}"
+        self.admin_url = f"http://{server.addresses[1][0]}:{server.addresses[1][1]}" if len(server.addresses) > 1 \
+            else self.url
+
+
+@asynccontextmanager
+async def running_gateway(discovery: Discovery | None = None, **settings: Any) -> AsyncIterator[RunningGateway]:
+    """Run a gateway on 127.0.0.1 with `settings` (drain delay 0 unless given) until the block exits."""
+    config = build_config({"listen": "127.0.0.1:0", "drain_delay": 0, "drain_timeout": 5, **settings})
+    server = GatewayServer(config, Gateway(config, discovery or default_discovery(config)))
+    await server.start()
+    try:
+        yield RunningGateway(server)
+    finally:
+        await server.drain()
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Poll `predicate` until it is true; fail the test after `timeout` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+@asynccontextmanager
+async def scripted_replica(routes: list[tuple[str, str, Callable]]) -> AsyncIterator[str]:
+    """Serve an aiohttp app with the given (method, path, handler) routes on a free port; yields its URL."""
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def sse_event(payload: bytes) -> bytes:
+    """One SSE event as vLLM frames it."""
+    return b"data: " + payload + b"\n\n"

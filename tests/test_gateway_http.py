@@ -1,0 +1,223 @@
+"""The gateway's HTTP surface over real sockets: bad input, header hygiene, models, health, the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+
+from loadtest.simulator import SimFleet, SimOptions
+from tests.harness import running_gateway, scripted_replica, wait_until
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+FAST = SimOptions(speed=50.0)
+
+
+@pytest.fixture
+async def sim() -> SimFleet:
+    fleet = await SimFleet.start([0, 0], FAST)
+    yield fleet
+    await fleet.stop()
+
+
+def total_requests(fleet: SimFleet) -> int:
+    return sum(replica.stats()["requests"] for replica in fleet.replicas)
+
+
+def assert_openai_error(body: dict, status: int) -> None:
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["code"] == status and body["error"]["message"]
+
+
+BAD_BODIES = [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model"),
+    (b'{"model": 7, "messages": []}', 400, "model"),
+    (b'{"model": "m", "messages": "hello"}', 400, "messages"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 400, "stream"),
+    (b'\xff\xfe{"model": "m"}', 400, None),
+    (b"[" * 5000 + b"]" * 5000, 400, None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_BODIES)
+async def test_bad_body_is_answered_by_the_gateway_and_never_forwarded(sim, body, status, param) -> None:
+    async with running_gateway(endpoints=sim.urls) as gw, aiohttp.ClientSession() as client:
+        async with client.post(gw.url + "/v1/chat/completions", data=body,
+                               headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == status
+            error = await resp.json()
+        assert_openai_error(error, status)
+        assert error["error"]["param"] == param
+        async with client.get(gw.url + "/healthz") as health:
+            assert health.status == 200
+    assert total_requests(sim) == 0
+
+
+async def test_body_over_the_limit_gets_413(sim) -> None:
+    async with running_gateway(endpoints=sim.urls, max_body_bytes=1000) as gw, aiohttp.ClientSession() as client:
+        big = orjson.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 5000}]})
+        async with client.post(gw.url + "/v1/chat/completions", data=big) as resp:
+            assert resp.status == 413
+            assert_openai_error(await resp.json(), 413)
+    assert total_requests(sim) == 0
+
+
+@pytest.mark.parametrize(("method", "path", "status"), [
+    ("GET", "/v1/nope", 404), ("POST", "/admin", 404), ("GET", "/v1/chat/completions", 405),
+    ("DELETE", "/v1/models", 405),
+])
+async def test_unknown_paths_and_methods_get_openai_errors(sim, method, path, status) -> None:
+    async with running_gateway(endpoints=sim.urls) as gw, aiohttp.ClientSession() as client:
+        async with client.request(method, gw.url + path) as resp:
+            assert resp.status == status
+            assert_openai_error(await resp.json(), status)
+
+
+async def test_unknown_model_gets_404_naming_it(sim) -> None:
+    async with running_gateway(endpoints=sim.urls) as gw, aiohttp.ClientSession() as client:
+        await wait_until(lambda: gw.gateway.fleet.snapshot().known_models() == {MODEL})
+        body = {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}
+        async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 404
+            error = (await resp.json())["error"]
+    assert error["param"] == "model" and "no-such-model" in error["message"]
+    assert total_requests(sim) == 0
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_no_reachable_replica_gets_503_with_retry_after() -> None:
+    dead = f"http://127.0.0.1:{closed_port()}"
+    async with running_gateway(endpoints=[dead]) as gw, aiohttp.ClientSession() as client:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 503
+            assert int(resp.headers["Retry-After"]) >= 1
+            assert_openai_error(await resp.json(), 503)
+
+
+async def test_connect_failure_is_retried_once_on_another_replica(sim) -> None:
+    dead = f"http://127.0.0.1:{closed_port()}"
+    async with running_gateway(endpoints=[dead, sim.urls[0]], policy="round-robin") as gw, \
+            aiohttp.ClientSession() as client:
+        for n in range(6):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{n}"}], "max_tokens": 2}
+            async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+    assert sim.replicas[0].stats()["requests"] == 6
+
+
+async def test_hop_by_hop_headers_never_cross_and_request_id_propagates() -> None:
+    seen: CIMultiDict[str] = CIMultiDict()
+
+    async def echo(request: web.Request) -> web.Response:
+        seen.clear()
+        seen.extend(request.headers)
+        return web.json_response({"ok": True}, headers={
+            "Keep-Alive": "timeout=5", "Proxy-Authenticate": "Basic", "Trailer": "X-Checksum",
+            "X-Upstream": "kept", "X-Private-Hop": "dropped", "Connection": "X-Private-Hop"})
+
+    async with scripted_replica([("POST", "/v1/completions", echo)]) as url, \
+            running_gateway(endpoints=[url]) as gw, aiohttp.ClientSession() as client:
+        headers = {"Keep-Alive": "timeout=5", "TE": "trailers", "Proxy-Authorization": "Basic eA==",
+                   "Trailer": "X-Checksum", "Upgrade": "websocket", "X-Custom": "kept", "X-Drop-Me": "x",
+                   "Connection": "keep-alive, X-Drop-Me", "x-request-id": "req-123"}
+        async with client.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x"},
+                               headers=headers) as resp:
+            assert resp.status == 200
+            response_headers = resp.headers
+        forwarded = seen.copy()
+        async with client.post(gw.url + "/v1/completions", json={"model": "m", "prompt": "x"}) as resp:
+            generated = resp.headers["x-request-id"]
+            upstream_generated = seen["x-request-id"]
+    lowered = {k.lower() for k in forwarded}
+    assert not lowered & {"keep-alive", "te", "proxy-authorization", "trailer", "upgrade", "x-drop-me"}
+    assert forwarded["X-Custom"] == "kept" and forwarded["x-request-id"] == "req-123"
+    assert response_headers["X-Upstream"] == "kept"
+    assert not {k.lower() for k in response_headers} & {"keep-alive", "proxy-authenticate", "trailer",
+                                                         "x-private-hop"}
+    assert response_headers["x-request-id"] == "req-123"
+    assert generated == upstream_generated and len(generated) >= 16
+
+
+async def test_models_is_the_deduplicated_union_of_the_replicas() -> None:
+    first = await SimFleet.start([0, 0], SimOptions(speed=50.0, models=("base-a",), lora_adapters=("tenant-x",)))
+    second = await SimFleet.start([0], SimOptions(speed=50.0, models=("base-a", "base-b")))
+    try:
+        async with running_gateway(endpoints=first.urls + second.urls) as gw, aiohttp.ClientSession() as client:
+            await wait_until(lambda: len(gw.gateway.fleet.snapshot().known_models()) == 3)
+            async with client.get(gw.url + "/v1/models") as resp:
+                listing = await resp.json()
+    finally:
+        await first.stop()
+        await second.stop()
+    ids = [card["id"] for card in listing["data"]]
+    assert listing["object"] == "list"
+    assert sorted(ids) == ["base-a", "base-b", "tenant-x"]
+    adapter = next(card for card in listing["data"] if card["id"] == "tenant-x")
+    assert adapter["parent"] == "base-a"
+
+
+async def test_openai_sdk_streams_a_chat_completion_through_the_gateway(sim) -> None:
+    async with running_gateway(endpoints=sim.urls) as gw:
+        client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello"}], stream=True, max_tokens=8,
+            stream_options={"include_usage": True})
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text.strip()
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+async def test_readiness_and_metrics_report_the_gateway_state(sim) -> None:
+    async with running_gateway(endpoints=sim.urls) as gw, aiohttp.ClientSession() as client:
+        async with client.get(gw.url + "/readyz") as resp:
+            assert resp.status == 200
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+        async with client.get(gw.url + "/metrics") as resp:
+            text = await resp.text()
+        async with client.get(gw.url + "/debug/fleet") as resp:
+            fleet = await resp.json()
+    assert 'kvgate_requests_total{model="%s",replica=' % MODEL in text
+    assert "kvgate_time_to_first_byte_seconds_bucket" in text
+    assert "kvgate_routing_decisions_total" in text
+    assert sorted(e["url"] for e in fleet["endpoints"]) == sorted(sim.urls)
+
+
+async def test_drain_finishes_in_flight_stream_while_readiness_fails() -> None:
+    fleet = await SimFleet.start([0], SimOptions(speed=1.0))
+    try:
+        async with running_gateway(endpoints=fleet.urls, drain_delay=0.3) as gw, \
+                aiohttp.ClientSession() as client:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 40,
+                    "stream": True}
+            resp = await client.post(gw.url + "/v1/chat/completions", json=body)
+            await resp.content.readuntil(b"\n\n")
+            drain = asyncio.create_task(gw.server.drain())
+            await wait_until(lambda: gw.gateway.draining)
+            async with client.get(gw.url + "/readyz") as ready:
+                assert ready.status == 503
+            rest = await asyncio.wait_for(resp.content.read(), 10)
+            await asyncio.wait_for(drain, 10)
+    finally:
+        await fleet.stop()
+    assert rest.endswith(b"data: [DONE]\n\n")
+    assert rest.count(b"data: ") >= 40

@@ -1,0 +1,349 @@
+"""Scorers, filters, the profile, and every routing policy: choices, reasons, determinism, balance."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter, deque
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from policies import (
+    DEFAULT_POLICY,
+    POLICY_NAMES,
+    REASONS,
+    BoundedLoadFilter,
+    CacheAwarePolicy,
+    Cycle,
+    KvCacheScorer,
+    LoadScorer,
+    Policy,
+    PrefixScorer,
+    QueueScorer,
+    RequestInfo,
+    RoutingConfig,
+    build_policy,
+    build_profile,
+    build_request_info,
+)
+from policies.rendezvous import placement_key, rendezvous_order
+
+CONFIG = RoutingConfig()
+KEYS = [f"pod-{i}" for i in range(8)]
+
+
+def state(key: str, in_flight: int = 0, **metrics: object) -> EndpointState:
+    scraped = ReplicaMetrics(**metrics) if metrics else ReplicaMetrics()
+    return EndpointState(Endpoint(key, f"http://{key}:8000"), metrics=scraped, in_flight=in_flight)
+
+
+def fleet_of(*states: EndpointState) -> FleetSnapshot:
+    return FleetSnapshot(tuple(states))
+
+
+def idle_fleet(keys: list[str] = KEYS, loads: dict[str, int] | None = None) -> FleetSnapshot:
+    return fleet_of(*(state(key, (loads or {}).get(key, 0)) for key in keys))
+
+
+def request(text: str) -> RequestInfo:
+    return build_request_info("completion", {"model": "m", "prompt": text}, "interactive", CONFIG)
+
+
+def prompt(name: str, blocks: int = 6) -> str:
+    return (f"{name} " * (blocks * CONFIG.block_chars))[: blocks * CONFIG.block_chars]
+
+
+def home_of(req: RequestInfo, fleet: FleetSnapshot) -> str:
+    return rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[0].key
+
+
+def cycle_for(req: RequestInfo, matched: dict[str, int] | None = None) -> Cycle:
+    return Cycle(req, placement_key(req, CONFIG.affinity_blocks), matched or {})
+
+
+metric_states = st.builds(
+    lambda key, in_flight, usage, waiting, stale: state(
+        key, in_flight, kv_cache_usage=usage, waiting=waiting, stale=stale
+    ),
+    st.sampled_from(KEYS),
+    st.integers(0, 50),
+    st.floats(-1.0, 2.0),
+    st.integers(0, 50),
+    st.booleans(),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(metric_states, min_size=1, max_size=8))
+def test_every_scorer_returns_one_score_in_unit_range_per_candidate(states: list[EndpointState]) -> None:
+    req = request(prompt("a"))
+    cycle = cycle_for(req, {states[0].key: 3})
+    for scorer in (PrefixScorer(), KvCacheScorer(), QueueScorer(), LoadScorer()):
+        scores = scorer.score(cycle, states)
+        assert len(scores) == len(states)
+        assert all(0.0 <= score <= 1.0 for score in scores), scorer.name
+
+
+def test_stale_metrics_score_neutral_on_scraped_signals() -> None:
+    fresh_idle = state("a", kv_cache_usage=0.0, waiting=0, stale=False)
+    fresh_busy = state("b", kv_cache_usage=1.0, waiting=10, stale=False)
+    stale = state("c", kv_cache_usage=0.99, waiting=99, stale=True)
+    cycle = cycle_for(request("x"))
+    assert KvCacheScorer().score(cycle, [fresh_idle, fresh_busy, stale]) == [1.0, 0.0, 0.5]
+    assert QueueScorer().score(cycle, [fresh_idle, fresh_busy, stale]) == [1.0, 0.0, 0.5]
+
+
+def test_prefix_and_load_scorers_measure_their_signal() -> None:
+    req = request(prompt("a", blocks=8))
+    cycle = cycle_for(req, {"a": 8, "b": 2})
+    assert PrefixScorer().score(cycle, [state("a"), state("b"), state("c")]) == [1.0, 0.25, 0.0]
+    assert PrefixScorer().score(cycle_for(request("")), [state("a")]) == [0.0]
+    assert LoadScorer().score(cycle, [state("a", 0), state("b", 4), state("c", 2)]) == [1.0, 0.0, 0.5]
+    assert LoadScorer().score(cycle, [state("a", 0), state("b", 0)]) == [1.0, 1.0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 100), min_size=1, max_size=16), st.floats(1.0, 3.0))
+def test_bounded_load_filter_always_leaves_a_candidate_when_bound_is_at_least_one(
+    loads: list[int], bound: float
+) -> None:
+    states = [state(f"e{i}", load) for i, load in enumerate(loads)]
+    eligible = BoundedLoadFilter(bound).filter(cycle_for(request("x")), states)
+    assert eligible
+    assert min(states, key=lambda s: s.load) in eligible
+
+
+def test_bounded_load_cap_lets_tiny_loads_through() -> None:
+    cycle = cycle_for(request("x"))
+    assert len(BoundedLoadFilter(1.25).filter(cycle, [state(k) for k in "abcd"])) == 4
+    one_busy = [state("a", 1), state("b"), state("c"), state("d")]
+    assert [s.key for s in BoundedLoadFilter(1.25).filter(cycle, one_busy)] == ["b", "c", "d"]
+
+
+def test_profile_is_built_from_weights() -> None:
+    profile = build_profile(RoutingConfig(weights={"prefix": 2.0, "load": 1.0, "queue": 0.0}))
+    assert [(scorer.name, weight) for scorer, weight in profile.scorers] == [("prefix", 2.0), ("load", 1.0)]
+    with pytest.raises(ValueError, match="unknown scorer"):
+        build_profile(RoutingConfig(weights={"prefix": 1.0, "latency": 1.0}))
+    with pytest.raises(ValueError, match=">= 0"):
+        build_profile(RoutingConfig(weights={"prefix": -1.0}))
+
+
+def test_registry_builds_every_policy_by_name() -> None:
+    assert DEFAULT_POLICY == "cache-aware"
+    assert set(POLICY_NAMES) == {"cache-aware", "prefix-hash", "least-load", "round-robin"}
+    for name in POLICY_NAMES:
+        policy: Policy = build_policy(name, CONFIG)
+        assert policy.name == name
+        policy.record(request(prompt("a")), state("pod-0"))
+        assert sum(policy.index_sizes().values()) == (6 if name == "cache-aware" else 0)
+    with pytest.raises(ValueError, match="round-robin"):
+        build_policy("random", CONFIG)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_policies_choose_only_candidates_that_may_take_the_request(name: str) -> None:
+    policy = build_policy(name, CONFIG)
+    draining = EndpointState(Endpoint("draining", "http://d", accepting=False))
+    broken = EndpointState(Endpoint("broken", "http://b"), healthy=False)
+    other_model = EndpointState(Endpoint("other", "http://o"), models=frozenset({"other"}))
+    assert policy.pick(request("x"), fleet_of(draining, broken, other_model)) is None
+    assert policy.pick(request("x"), FleetSnapshot(())) is None
+    fleet = fleet_of(draining, broken, other_model, state("ok-1"), state("ok-2"))
+    for i in range(20):
+        decision = policy.pick(request(prompt(f"p{i}")), fleet)
+        assert decision is not None and decision.reason in REASONS
+        assert decision.endpoint.key in {"ok-1", "ok-2"}
+        assert {s.key for s in decision.fallbacks} <= {"ok-1", "ok-2"} - {decision.endpoint.key}
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_stale_metrics_never_hide_a_candidate(name: str) -> None:
+    policy = build_policy(name, CONFIG)
+    fleet = fleet_of(*(state(k, stale=True, waiting=1000, kv_cache_usage=1.0) for k in KEYS[:3]))
+    chosen = Counter()
+    for i in range(60):
+        decision = policy.pick(request(prompt(f"s{i}")), fleet)
+        assert decision is not None
+        chosen[decision.endpoint.key] += 1
+    assert set(chosen) == set(KEYS[:3])
+
+
+def test_round_robin_is_fair_and_survives_membership_changes() -> None:
+    policy = build_policy("round-robin", CONFIG)
+    fleet = idle_fleet(KEYS[:4])
+    picks = [policy.pick(request("x"), fleet) for _ in range(400)]
+    assert Counter(d.endpoint.key for d in picks) == {key: 100 for key in KEYS[:4]}
+    assert [s.key for s in picks[0].fallbacks] == KEYS[1:4]
+    assert policy.pick(request("x"), idle_fleet(KEYS[:2] + KEYS[3:4])).endpoint.key == KEYS[0]
+    assert policy.pick(request("x"), idle_fleet(KEYS[1:2] + KEYS[3:4])).endpoint.key == KEYS[1]
+
+
+def test_least_load_picks_lowest_load_and_breaks_ties_by_prefix_not_position() -> None:
+    policy = build_policy("least-load", CONFIG)
+    loaded = idle_fleet(KEYS[:4], loads={"pod-0": 3, "pod-1": 1, "pod-2": 0, "pod-3": 2})
+    decision = policy.pick(request("x"), loaded)
+    assert decision.endpoint.key == "pod-2"
+    assert [s.key for s in decision.fallbacks] == ["pod-1", "pod-3", "pod-0"]
+    tie_winners = Counter()
+    for i in range(200):
+        req = request(prompt(f"t{i}"))
+        forward = policy.pick(req, idle_fleet(KEYS[:4])).endpoint.key
+        backward = policy.pick(req, idle_fleet(KEYS[3::-1])).endpoint.key
+        assert forward == backward
+        tie_winners[forward] += 1
+    assert min(tie_winners[key] for key in KEYS[:4]) > 20
+
+
+def test_prefix_hash_sends_a_prefix_home_until_home_is_over_the_bound() -> None:
+    policy = build_policy("prefix-hash", CONFIG)
+    req = request(prompt("tenant-7"))
+    fleet = idle_fleet()
+    home = home_of(req, fleet)
+    shuffled = fleet_of(*random.Random(3).sample(fleet.endpoints, len(fleet.endpoints)))
+    assert policy.pick(req, fleet).endpoint.key == home == policy.pick(req, shuffled).endpoint.key
+    assert policy.pick(req, fleet).reason == "cold"
+    busy = idle_fleet(loads={home: 5})
+    decision = policy.pick(req, busy)
+    assert (decision.reason, decision.endpoint.key) == ("overflow", rendezvous_order(
+        placement_key(req, CONFIG.affinity_blocks), busy.endpoints)[1].key)
+    below_one = build_policy("prefix-hash", RoutingConfig(load_bound=0.5))
+    assert below_one.pick(req, idle_fleet(KEYS[:4], {k: 2 for k in KEYS[:4]})).reason == "fallback"
+
+
+def test_cache_aware_places_a_new_prefix_at_its_rendezvous_home() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    fleet = idle_fleet()
+    for i in range(30):
+        req = request(prompt(f"new-{i}"))
+        decision = policy.pick(req, fleet)
+        assert (decision.reason, decision.endpoint.key) == ("cold", home_of(req, fleet))
+        assert len(decision.fallbacks) == len(KEYS) - 1
+
+
+def test_cache_aware_follows_the_replica_that_holds_the_prefix() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    fleet = idle_fleet()
+    turn1 = request(prompt("conversation", blocks=8))
+    holder = next(s for s in fleet.endpoints if s.key != home_of(turn1, fleet))
+    policy.record(turn1, holder)
+    turn2 = request(prompt("conversation", blocks=8) + prompt("reply", blocks=2))
+    decision = policy.pick(turn2, fleet)
+    assert (decision.reason, decision.endpoint.key) == ("prefix_hit", holder.key)
+    assert decision.matched_fraction == pytest.approx(8 / 10)
+    assert policy.index_sizes() == {holder.key: 8}
+    assert policy.index_bytes() > 0
+    policy.forget(holder.key)
+    assert policy.index_sizes() == {}
+    assert policy.pick(turn2, fleet).reason == "cold"
+
+
+def test_cache_aware_overflows_when_the_holder_is_over_the_bound() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    req = request(prompt("hot"))
+    fleet = idle_fleet()
+    holder = fleet.get(home_of(req, fleet))
+    policy.record(req, holder)
+    decision = policy.pick(req, idle_fleet(loads={holder.key: 6}))
+    assert decision.reason == "overflow"
+    assert decision.endpoint.key == rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[1].key
+    below_one = CacheAwarePolicy(RoutingConfig(load_bound=0.5))
+    assert below_one.pick(req, idle_fleet(KEYS[:4], {k: 2 for k in KEYS[:4]})).reason == "fallback"
+
+
+def test_a_system_prompt_cached_everywhere_does_not_pull_new_prompts_to_one_replica() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    fleet = idle_fleet(KEYS[:4])
+    system = prompt("you are a helpful assistant", blocks=10)
+    for endpoint in fleet.endpoints:
+        policy.record(request(system), endpoint)
+    placed = Counter()
+    for i in range(200):
+        decision = policy.pick(request(system + prompt(f"user-{i}", blocks=2)), fleet)
+        assert decision.reason == "cold"
+        placed[decision.endpoint.key] += 1
+    assert min(placed[key] for key in KEYS[:4]) > 25
+
+
+def simulate(policy: Policy, requests: list[RequestInfo], keys: list[str], window: int) -> list[tuple[str, str]]:
+    """Pick and record each request with the loads it leaves; the oldest finishes once `window` are open."""
+    in_flight: Counter[str] = Counter()
+    open_requests: deque[str] = deque()
+    choices = []
+    for req in requests:
+        if len(open_requests) >= window:
+            in_flight[open_requests.popleft()] -= 1
+        decision = policy.pick(req, idle_fleet(keys, in_flight))
+        policy.record(req, decision.endpoint)
+        in_flight[decision.endpoint.key] += 1
+        open_requests.append(decision.endpoint.key)
+        assert max(in_flight.values()) <= math.ceil(CONFIG.load_bound * sum(in_flight.values()) / len(keys)) + 1
+        choices.append((decision.endpoint.key, decision.reason))
+    return choices
+
+
+def mixed_traffic(seed: int, count: int) -> list[RequestInfo]:
+    rng = random.Random(seed)
+    tenants = [prompt(f"tenant-{i}", blocks=12) for i in range(20)]
+    return [request(rng.choice(tenants) + prompt(f"q{rng.random()}", blocks=2)) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_two_instances_fed_the_same_sequence_choose_identically(name: str) -> None:
+    requests = mixed_traffic(seed=11, count=300)
+    first = simulate(build_policy(name, CONFIG), requests, KEYS, window=24)
+    second = simulate(build_policy(name, CONFIG), requests, KEYS, window=24)
+    assert first == second
+    assert len({key for key, _ in first}) == len(KEYS)
+
+
+def test_cache_aware_keeps_tenants_on_few_replicas_within_the_load_bound() -> None:
+    choices = simulate(build_policy("cache-aware", CONFIG), mixed_traffic(seed=5, count=600), KEYS, window=16)
+    assert Counter(reason for _, reason in choices)["prefix_hit"] > 400
+
+
+@pytest.mark.parametrize("name", ["prefix-hash", "cache-aware"])
+def test_a_joining_or_leaving_replica_moves_only_its_share_of_prefixes(name: str) -> None:
+    requests = [request(prompt(f"key-{i}")) for i in range(2000)]
+
+    def placements(keys: list[str]) -> list[str]:
+        policy = build_policy(name, CONFIG)  # fresh: every placement is a cold one
+        return [policy.pick(req, idle_fleet(keys)).endpoint.key for req in requests]
+
+    ten = [f"pod-{i}" for i in range(10)]
+    before, joined, left = placements(ten), placements(ten + ["pod-new"]), placements(ten[1:])
+    moved_on_join = [(a, b) for a, b in zip(before, joined) if a != b]
+    assert all(b == "pod-new" for _, b in moved_on_join)
+    assert 0.05 < len(moved_on_join) / len(requests) < 0.14  # about 1/11
+    moved_on_leave = [(a, b) for a, b in zip(before, left) if a != b]
+    assert all(a == "pod-0" for a, _ in moved_on_leave)
+    assert len(moved_on_leave) == before.count("pod-0")
+
+
+@pytest.mark.parametrize("name", ["prefix-hash", "cache-aware"])
+def test_a_hot_prefix_burst_stays_bounded_and_spills_along_its_rendezvous_order(name: str) -> None:
+    policy = build_policy(name, CONFIG)
+    hot = request(prompt("viral", blocks=20))
+    in_flight = Counter({key: 4 for key in KEYS})  # the fleet is already busy with other work
+    served = Counter()
+    for _ in range(24):
+        fleet = idle_fleet(KEYS, in_flight)
+        decision = policy.pick(hot, fleet)
+        policy.record(hot, decision.endpoint)
+        in_flight[decision.endpoint.key] += 1
+        served[decision.endpoint.key] += 1
+        assert max(in_flight.values()) <= math.ceil(CONFIG.load_bound * sum(in_flight.values()) / len(KEYS)) + 1
+    order = [s.key for s in rendezvous_order(placement_key(hot, CONFIG.affinity_blocks), idle_fleet().endpoints)]
+    assert set(served) == set(order[: len(served)])  # the next replicas in the prefix's order, no others
+    assert len(served) <= 5
+    sprayed = Counter()
+    least_load = build_policy("least-load", CONFIG)
+    in_flight = Counter({key: 4 for key in KEYS})
+    for _ in range(24):
+        chosen = least_load.pick(hot, idle_fleet(KEYS, in_flight)).endpoint.key
+        in_flight[chosen] += 1
+        sprayed[chosen] += 1
+    assert len(sprayed) == len(KEYS)  # what a load-only policy does with the same burst
