@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from policies.config import RoutingConfig
-from router.config import ConfigError, GatewayConfig, config_fields, from_sources
+from router.config import ConfigError, GatewayConfig, config_fields, from_sources, section_fields
 from router.logs import configure_logging
 
 _HELP = {
@@ -35,6 +32,8 @@ _HELP = {
     "models_refresh": "seconds between /v1/models refreshes",
     "watch_read_timeout": "restart an EndpointSlice watch silent this long (seconds)",
     "log_level": "debug, info, warning or error",
+    "upstream_priority": "set vLLM's request priority from the class (replicas run --scheduling-policy priority)",
+    "api_keys_file": "YAML file of API keys; requests then need Authorization: Bearer KEY",
 }
 
 
@@ -49,24 +48,22 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         action = "append" if field.name == "service" else "store"
         parser.add_argument(_flag(field.name), dest=field.name, action=action, default=None,
                             help=f"{_HELP[field.name]} (env KVGATE_{field.name.upper()})")
-    for field in dataclasses.fields(RoutingConfig):
-        parser.add_argument("--routing-" + field.name.replace("_", "-"), dest=f"routing.{field.name}", default=None,
-                            help=f"routing.{field.name} (env KVGATE_ROUTING_{field.name.upper()})")
+    for section, field in section_fields():
+        parser.add_argument(f"--{section}-" + field.name.replace("_", "-"), dest=f"{section}.{field.name}",
+                            default=None, help=f"{section}.{field.name} (env KVGATE_{section.upper()}_{field.name.upper()})")
 
 
 def cli_settings(namespace: argparse.Namespace) -> dict[str, Any]:
     """The settings given on the command line, nested the way the config file nests them."""
     settings: dict[str, Any] = {}
-    routing: dict[str, Any] = {}
     for key, value in vars(namespace).items():
         if key in ("command", "func") or value is None:
             continue
-        if key.startswith("routing."):
-            routing[key.split(".", 1)[1]] = value
+        section, dot, name = key.partition(".")
+        if dot:
+            settings.setdefault(section, {})[name] = value
         else:
             settings[key] = value
-    if routing:
-        settings["routing"] = routing
     return settings
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import os
 import types
@@ -13,6 +14,8 @@ import yaml
 
 from endpoints.discovery import parse_endpoint_urls
 from policies.config import RoutingConfig
+from policies.priorities import PriorityConfig, SaturationThresholds
+from router.admission import AdmissionConfig
 
 ENV_PREFIX = "KVGATE_"
 
@@ -46,7 +49,12 @@ class GatewayConfig:
     models_refresh: float = 30.0
     watch_read_timeout: float = 90.0  # the API server bookmarks about once a minute
     log_level: str = "info"
+    api_keys_file: str | None = None  # YAML of API keys; off when unset (see docs/security.md)
+    upstream_priority: bool = False  # set vLLM's `priority` from the class (replicas run --scheduling-policy priority)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    priorities: PriorityConfig = field(default_factory=PriorityConfig)
+    saturation: SaturationThresholds = field(default_factory=SaturationThresholds)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     @property
     def listen_address(self) -> tuple[str, int]:
@@ -68,7 +76,8 @@ def split_host_port(value: str, name: str) -> tuple[str, int]:
 
 
 _FIELD_TYPES = get_type_hints(GatewayConfig)
-_ROUTING_TYPES = get_type_hints(RoutingConfig)
+_SECTIONS = {"routing": RoutingConfig, "priorities": PriorityConfig, "saturation": SaturationThresholds,
+             "admission": AdmissionConfig}
 
 
 def _unwrap_optional(kind: Any) -> tuple[Any, bool]:
@@ -91,10 +100,11 @@ def _coerce(name: str, value: Any, kind: Any) -> Any:
         if origin is tuple:
             items = value.split(",") if isinstance(value, str) else list(value)
             return tuple(text for text in (str(item).strip() for item in items) if text)
-        if origin is dict:
+        if origin in (dict, Mapping, collections.abc.Mapping):
             if isinstance(value, str):
                 value = dict(item.split("=", 1) for item in value.split(",") if item.strip())
-            return {str(k).strip(): float(v) for k, v in dict(value).items()}
+            value_type = get_args(kind)[1] if get_args(kind) else str
+            return {str(k).strip(): value_type(v) for k, v in dict(value).items()}
         if origin is bool:
             if isinstance(value, bool):
                 return value
@@ -111,14 +121,19 @@ def _coerce(name: str, value: Any, kind: Any) -> Any:
         raise ConfigError(f"{name}: cannot read {value!r} as {getattr(origin, '__name__', origin)}") from exc
 
 
-def _build_routing(raw: Mapping[str, Any]) -> RoutingConfig:
-    unknown = set(raw) - set(_ROUTING_TYPES)
+def _build_section(section: str, raw: Mapping[str, Any]) -> Any:
+    """Build one nested settings object (routing, priorities, saturation, admission) from its raw values."""
+    kind = _SECTIONS[section]
+    types_ = get_type_hints(kind)
+    unknown = set(raw) - set(types_)
     if unknown:
-        raise ConfigError(f"routing: unknown setting(s) {', '.join(sorted(unknown))}")
-    values = {k: _coerce(f"routing.{k}", v, _ROUTING_TYPES[k]) for k, v in raw.items()}
-    if "weights" in values:
-        values["weights"] = {**RoutingConfig().weights, **values["weights"]}
-    return RoutingConfig(**values)
+        raise ConfigError(f"{section}: unknown setting(s) {', '.join(sorted(unknown))}")
+    values = {k: _coerce(f"{section}.{k}", v, types_[k]) for k, v in raw.items()}
+    defaults = kind()
+    for name, value in values.items():
+        if isinstance(value, dict):  # a partial mapping extends the default one
+            values[name] = {**getattr(defaults, name), **value}
+    return kind(**values)
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -136,40 +151,39 @@ def read_yaml(path: str) -> dict[str, Any]:
 
 
 def env_settings(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Settings given as KVGATE_<NAME> environment variables (KVGATE_ROUTING_<NAME> for routing)."""
+    """Settings given as KVGATE_<NAME> environment variables (KVGATE_<SECTION>_<NAME> for nested ones)."""
     found: dict[str, Any] = {}
-    routing: dict[str, Any] = {}
     for key, value in environ.items():
         if not key.startswith(ENV_PREFIX):
             continue
         name = key[len(ENV_PREFIX):].lower()
-        if name.startswith("routing_") and name[len("routing_"):] in _ROUTING_TYPES:
-            routing[name[len("routing_"):]] = value
-        elif name in _FIELD_TYPES and name != "routing":
+        section = next((s for s in _SECTIONS if name.startswith(s + "_")), None)
+        if section is not None:
+            found.setdefault(section, {})[name[len(section) + 1:]] = value
+        elif name in _FIELD_TYPES and name not in _SECTIONS:
             found[name] = value
-    if routing:
-        found["routing"] = routing
     return found
 
 
 def build_config(*layers: Mapping[str, Any]) -> GatewayConfig:
     """Merge setting layers (later wins; None values are skipped), coerce types and validate."""
     merged: dict[str, Any] = {}
-    routing: dict[str, Any] = {}
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
     for layer in layers:
         for name, value in layer.items():
             if value is None:
                 continue
-            if name == "routing":
+            if name in _SECTIONS:
                 if not isinstance(value, Mapping):
-                    raise ConfigError("routing: must be a mapping of settings")
-                routing.update(value)
+                    raise ConfigError(f"{name}: must be a mapping of settings")
+                sections[name].update(value)
             elif name not in _FIELD_TYPES:
                 raise ConfigError(f"unknown setting {name!r}")
             else:
                 merged[name] = value
     values = {name: _coerce(name, value, _FIELD_TYPES[name]) for name, value in merged.items()}
-    config = GatewayConfig(**values, routing=_build_routing(routing))
+    values.update({name: _build_section(name, raw) for name, raw in sections.items()})
+    config = GatewayConfig(**values)
     validate(config)
     return config
 
@@ -214,11 +228,42 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"routing.load_bound: must be at least 1.0, got {routing.load_bound}")
     if any(w < 0 for w in routing.weights.values()):
         raise ConfigError("routing.weights: weights must not be negative")
+    _validate_priorities(config)
+
+
+def _validate_priorities(config: GatewayConfig) -> None:
+    """Check the priority classes, saturation thresholds and admission bounds."""
+    classes = config.priorities.classes
+    if not classes or len(set(classes)) != len(classes) or any(c != c.lower() for c in classes):
+        raise ConfigError(f"priorities.classes: need distinct lower-case names, got {classes!r}")
+    if config.priorities.default not in classes:
+        raise ConfigError(f"priorities.default: {config.priorities.default!r} is not one of {', '.join(classes)}")
+    for objective, name in config.priorities.objectives.items():
+        if name not in classes:
+            raise ConfigError(f"priorities.objectives: {objective!r} maps to unknown class {name!r}")
+    saturation = config.saturation
+    if saturation.queue < 0 or saturation.in_flight < 0 or not 0 < saturation.kv_cache <= 1:
+        raise ConfigError("saturation: queue and in_flight must be >= 0 and kv_cache in (0, 1]")
+    admission = config.admission
+    for name, bound in (*admission.class_max_requests.items(), *admission.max_wait.items()):
+        if name not in classes:
+            raise ConfigError(f"admission: per-class setting names unknown class {name!r}")
+        if bound <= 0:
+            raise ConfigError(f"admission: the bound for class {name!r} must be greater than 0")
+    if admission.max_requests < 1 or admission.max_bytes < 1 or admission.retry_after_s < 1:
+        raise ConfigError("admission: max_requests, max_bytes and retry_after_s must be at least 1")
+    if not 0 <= admission.min_share < 1:
+        raise ConfigError(f"admission.min_share: must be in [0, 1), got {admission.min_share}")
 
 
 def config_fields() -> list[dataclasses.Field]:
     """The top-level settings, for building CLI flags."""
-    return [f for f in dataclasses.fields(GatewayConfig) if f.name != "routing"]
+    return [f for f in dataclasses.fields(GatewayConfig) if f.name not in _SECTIONS]
+
+
+def section_fields() -> list[tuple[str, dataclasses.Field]]:
+    """(section, field) for every nested setting, for building CLI flags."""
+    return [(name, f) for name, kind in _SECTIONS.items() for f in dataclasses.fields(kind)]
 
 
 def from_sources(cli: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> GatewayConfig:

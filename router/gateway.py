@@ -16,7 +16,9 @@ from endpoints.fleet import Fleet
 from endpoints.models import ModelLister
 from endpoints.scraper import MetricsScraper
 from policies import build_policy
+from policies.priorities import fleet_headroom
 from policies.types import Policy
+from router.admission import AdmissionQueue
 from router.config import GatewayConfig
 from router.metrics import FleetCollector, GatewayMetrics
 from router.proxy import Forwarder, UpstreamTimeouts
@@ -49,6 +51,7 @@ class Gateway:
         self.draining = False
         self.fleet: Fleet | None = None
         self.forwarder: Forwarder | None = None
+        self.admission: AdmissionQueue | None = None
         self.models: ModelLister | None = None
         self.scraper: MetricsScraper | None = None
 
@@ -81,6 +84,9 @@ class Gateway:
         self.fleet.on_endpoints(self.scraper.set_endpoints)
         self.fleet.on_endpoints(self.models.set_endpoints)
         self.fleet.on_removed(self.policy.forget)
+        self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics)
+        self.scraper.add_round_listener(self.admission.refresh)
+        self.fleet.on_endpoints(lambda _endpoints: self.admission.refresh())
         self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,
                                    UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
                                                     config.request_timeout), config.retries)
@@ -104,9 +110,21 @@ class Gateway:
             await proxy_session.close()
             await poll_session.close()
 
+    def _fleet_headroom(self, model: str) -> float:
+        """Requests `model`'s replicas take before all are saturated."""
+        assert self.fleet is not None
+        candidates = self.fleet.snapshot().candidates(model)
+        # With no candidate there is nothing to wait for: let the request through to its 503 at once.
+        return fleet_headroom(candidates, self.config.saturation) if candidates else float("inf")
+
     def serves(self, model: str) -> bool:
         """Whether some replica reports serving `model`."""
         return self.models is not None and self.models.serves(model)
+
+    def models_known(self) -> bool:
+        """Whether every endpoint's model list is known, so an unlisted model is truly unknown."""
+        return self.fleet is not None and all(self.models.models(e.key) for e in self.fleet.endpoints) \
+            and bool(self.fleet.endpoints)
 
     def describe(self) -> dict[str, Any]:
         """The /debug/fleet view: replicas, scraped metrics and staleness, the policy's index, discovery."""
@@ -128,7 +146,8 @@ class Gateway:
                 },
             })
         return {"draining": self.draining, "ready": self.ready()[0], "policy": self.policy.name,
-                "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints}
+                "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
+                "queue": self.admission.describe() if self.admission else None}
 
     def _endpoint_states(self) -> Iterator[tuple[str, bool, bool]]:
         assert self.fleet is not None and self.scraper is not None

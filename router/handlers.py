@@ -14,7 +14,8 @@ from router.errors import GatewayError, error_response
 from router.gateway import Gateway
 from router.headers import request_id as make_request_id
 from router.proxy import CLIENT_GONE, Outcome
-from router.requests import parse_request
+from router.requests import parse_request, with_upstream_priority
+from policies.priorities import PriorityError, classify
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,21 @@ class Handlers:
     async def inference(self, request: web.Request) -> web.StreamResponse:
         """Proxy one chat, completion or embedding request to the replica the policy picks."""
         gateway = self.gateway
-        assert gateway.forwarder is not None
+        assert gateway.forwarder is not None and gateway.admission is not None
         outcome = Outcome(request_id=make_request_id(request.headers), arrived=time.monotonic())
         model = "-"
+        admitted = False
         try:
+            priority_class = self._priority_class(request)
             raw = await self._read_body(request)
-            parsed = parse_request(request.path, raw, "interactive", gateway.config.routing)
+            parsed = parse_request(request.path, raw, priority_class, gateway.config.routing)
             model = parsed.info.model
+            if not gateway.serves(model) and gateway.models_known():
+                raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+            await gateway.admission.admit(parsed.info)
+            admitted = True
+            if gateway.config.upstream_priority:
+                parsed = with_upstream_priority(parsed, gateway.config.priorities.classes)
             decision = gateway.forwarder.choose(parsed)
             response = await gateway.forwarder.forward(request, parsed, decision, outcome)
         except GatewayError as error:
@@ -51,8 +60,17 @@ class Handlers:
             outcome.status = CLIENT_GONE
             raise
         finally:
+            if admitted:
+                gateway.admission.release(model)
             self._finish(request, model, outcome)
         return response
+
+    def _priority_class(self, request: web.Request) -> str:
+        """The request's priority class from its headers; 400 naming the header for an unknown value."""
+        try:
+            return classify(request.headers, self.gateway.config.priorities)
+        except PriorityError as exc:
+            raise GatewayError(400, str(exc), param=exc.header) from None
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body, at most max_body_bytes; 413 beyond."""

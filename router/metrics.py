@@ -42,6 +42,17 @@ class GatewayMetrics:
         self.rejected = Counter("kvgate_rejected_requests", "Requests answered by the gateway itself with an error",
                                 ["status", "reason"], registry=r)
 
+        self.queue_depth = Gauge("kvgate_admission_queue_depth", "Requests waiting in the gateway, by class",
+                                 ["priority_class"], registry=r)
+        self.queue_wait = Histogram("kvgate_admission_wait_seconds", "Time requests waited in the gateway, by class",
+                                    ["priority_class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.admitted = Counter("kvgate_admission_dispatched", "Requests let through, directly or after queueing",
+                                ["priority_class", "path"], registry=r)
+        self.shed = Counter("kvgate_admission_shed", "Requests shed with 429, by class and reason",
+                            ["priority_class", "reason"], registry=r)
+        self.queue_abandoned = Counter("kvgate_admission_abandoned", "Clients that left while queued",
+                                       ["priority_class"], registry=r)
+
     def add_collector(self, collector: Collector) -> None:
         """Register a collector that reads live state at scrape time."""
         self.registry.register(collector)

@@ -73,14 +73,10 @@ class Forwarder:
         self._retries = retries
 
     def choose(self, parsed: ParsedRequest) -> Decision:
-        """Pick a replica for the request; raises 404 for an unknown model and 503 when none can take it."""
+        """Pick a replica for the request; raises 503 when none can take it."""
         snapshot = self._fleet.snapshot()
         decision = self._policy.pick(parsed.info, snapshot)
         if decision is None:
-            model = parsed.info.model
-            if snapshot.endpoints and all(s.models for s in snapshot.endpoints) and \
-                    model not in snapshot.known_models():
-                raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
             raise GatewayError(503, "no replica can take this request now; retry shortly",
                                headers={"Retry-After": "1"})
         self._metrics.decisions.labels(self._policy.name, decision.reason).inc()

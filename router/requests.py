@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,3 +55,9 @@ def parse_request(path: str, raw: bytes, priority_class: str, routing: RoutingCo
         raise GatewayError(400, "'stream' must be a boolean", param="stream")
     info = build_request_info(kind, body, priority_class, routing, body_bytes=len(raw))
     return ParsedRequest(kind=kind, body=body, raw=raw, info=info)
+
+
+def with_upstream_priority(parsed: ParsedRequest, classes: Sequence[str]) -> ParsedRequest:
+    """The request with vLLM's `priority` set from its class (0 for the most important; lower runs earlier)."""
+    body = {**parsed.body, "priority": classes.index(parsed.info.priority_class)}
+    return dataclasses.replace(parsed, body=body, raw=orjson.dumps(body))

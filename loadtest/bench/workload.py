@@ -1,0 +1,167 @@
+"""The benchmark's traffic: tenants with long shared system prompts, multi-turn chats, and fleet sizing.
+
+Texts are deterministic (seeded), so every row of a benchmark replays the same conversations and
+the locustfile builds the same tenant prompts. This module imports nothing heavy: the locustfile uses it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+SKEWS = ("uniform", "zipf")
+
+_WORDS = (
+    "account", "answer", "archive", "balance", "billing", "branch", "budget", "calendar", "catalog", "channel",
+    "contract", "customer", "dashboard", "delivery", "deploy", "detail", "device", "document", "estimate",
+    "feature", "invoice", "ledger", "license", "meeting", "message", "network", "order", "payment", "policy",
+    "portal", "product", "project", "quote", "record", "refund", "region", "report", "request", "review",
+    "schedule", "service", "shipment", "status", "summary", "support", "ticket", "update", "warranty",
+)  # fmt: skip
+# The sim's chat template adds about this many characters around each message.
+_TEMPLATE_CHARS_PER_MESSAGE = 60
+# Longest generated word in characters, with its leading space: bounds a reply's length.
+_MAX_REPLY_CHARS_PER_TOKEN = 10
+_CHARS_PER_TOKEN = 4
+
+
+def _words(rng: random.Random, chars: int) -> str:
+    """Random vocabulary words joined by spaces, cut to exactly `chars` characters."""
+    pieces: list[str] = []
+    length = 0
+    while length < chars:
+        word = rng.choice(_WORDS)
+        pieces.append(word)
+        length += len(word) + 1
+    return " ".join(pieces)[:chars]
+
+
+def system_prompt(tenant: int, chars: int) -> str:
+    """The shared system prompt of one tenant: the same text for a tenant on every call."""
+    opening = f"You are the support assistant of tenant {tenant:04d}. Follow the handbook below.\n"
+    return opening + _words(random.Random(f"tenant-{tenant}"), max(0, chars - len(opening)))
+
+
+def user_message(conversation: int, turn: int, chars: int, seed: int = 0) -> str:
+    """The user's message at `turn` of a conversation, around `chars` characters (0.5x to 1.5x)."""
+    rng = random.Random(f"user-{seed}-{conversation}-{turn}")
+    length = rng.randint(max(1, chars // 2), max(1, chars * 3 // 2))
+    return f"Question {turn + 1}: " + _words(rng, length)
+
+
+def tenant_weights(tenants: int, skew: str, zipf_s: float) -> list[float]:
+    """Relative popularity of each tenant: equal, or Zipf (rank ** -s) with tenant 0 the most popular."""
+    if skew == "uniform":
+        return [1.0] * tenants
+    if skew == "zipf":
+        return [(rank + 1) ** -zipf_s for rank in range(tenants)]
+    raise ValueError(f"unknown skew {skew!r}; expected one of {', '.join(SKEWS)}")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """The size and shape of one benchmark workload."""
+
+    tenants: int = 12
+    system_prompt_chars: int = 6000
+    conversations: int = 100
+    turns: int = 4
+    user_chars: int = 300
+    max_tokens: int = 32
+    concurrency: int = 24
+    duration: float = 30.0  # time cap per row, seconds
+    skew: str = "uniform"
+    zipf_s: float = 1.1
+    seed: int = 0
+    model: str = "meta-llama/Llama-3.1-8B-Instruct"
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name} must be >= 1, got {getattr(self, name)}"
+            for name in ("tenants", "conversations", "turns", "user_chars", "max_tokens", "concurrency")
+            if getattr(self, name) < 1
+        ]
+        if self.system_prompt_chars < 100:
+            problems.append(f"system_prompt_chars must be >= 100, got {self.system_prompt_chars}")
+        if self.duration <= 0:
+            problems.append(f"duration must be > 0, got {self.duration}")
+        if self.skew not in SKEWS:
+            problems.append(f"skew must be one of {', '.join(SKEWS)}, got {self.skew!r}")
+        if problems:
+            raise ValueError("invalid workload: " + "; ".join(problems))
+
+    def with_skew(self, skew: str) -> WorkloadSpec:
+        """The same workload with another tenant popularity."""
+        return replace(self, skew=skew)
+
+
+DEFAULT_WORKLOAD = WorkloadSpec()
+QUICK_WORKLOAD = WorkloadSpec(
+    tenants=6, system_prompt_chars=3000, conversations=24, turns=3, user_chars=200, max_tokens=8,
+    concurrency=6, duration=10.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """One scripted chat: a tenant's system prompt and the user's message for each turn."""
+
+    index: int
+    tenant: int
+    system_prompt: str
+    user_turns: tuple[str, ...]
+
+
+def build_conversations(spec: WorkloadSpec) -> list[Conversation]:
+    """The conversations of a workload; tenants drawn by popularity from a seeded generator."""
+    rng = random.Random(f"tenants-{spec.seed}-{spec.skew}")
+    weights = tenant_weights(spec.tenants, spec.skew, spec.zipf_s)
+    tenants = rng.choices(range(spec.tenants), weights=weights, k=spec.conversations)
+    prompts = {tenant: system_prompt(tenant, spec.system_prompt_chars) for tenant in set(tenants)}
+    return [
+        Conversation(
+            index=index,
+            tenant=tenant,
+            system_prompt=prompts[tenant],
+            user_turns=tuple(user_message(index, turn, spec.user_chars, spec.seed) for turn in range(spec.turns)),
+        )
+        for index, tenant in enumerate(tenants)
+    ]
+
+
+def _blocks(chars: int, block_size: int) -> int:
+    return math.ceil(chars / _CHARS_PER_TOKEN / block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixFootprint:
+    """KV blocks a workload's reusable prefixes take: shared system prompts and live conversation histories."""
+
+    system_prompt_blocks: int  # one tenant's system prompt
+    history_blocks: int  # one conversation's turns at their longest, replies included
+    longest_request_tokens: int  # prompt plus output of the last turn
+
+    @classmethod
+    def of(cls, spec: WorkloadSpec, block_size: int) -> PrefixFootprint:
+        """Upper-bound estimates from the workload's sizes (four characters per token, as the sim tokenizes)."""
+        system_chars = spec.system_prompt_chars + 2 * _TEMPLATE_CHARS_PER_MESSAGE
+        turn_chars = (
+            spec.user_chars * 3 // 2
+            + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN
+            + 2 * _TEMPLATE_CHARS_PER_MESSAGE
+        )
+        history_chars = spec.turns * turn_chars
+        return cls(
+            system_prompt_blocks=_blocks(system_chars, block_size),
+            history_blocks=_blocks(history_chars, block_size),
+            longest_request_tokens=math.ceil((system_chars + history_chars) / _CHARS_PER_TOKEN) + spec.max_tokens,
+        )
+
+    def in_play(self, spec: WorkloadSpec) -> int:
+        """Distinct reusable blocks at one time: every tenant's prompt and every live conversation's history."""
+        return spec.tenants * self.system_prompt_blocks + spec.concurrency * self.history_blocks
+
+    def whole_workload(self, spec: WorkloadSpec) -> int:
+        """Blocks that hold every prefix the workload ever sends: an effectively unbounded cache."""
+        return spec.tenants * self.system_prompt_blocks + spec.conversations * self.history_blocks

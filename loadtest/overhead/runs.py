@@ -1,0 +1,177 @@
+"""The rig (stub replicas + kvgate, pinned) and the measurements taken on it: direct vs through kvgate."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from loadtest.overhead.load import LoadResult, LoadSpec
+from loadtest.overhead.processes import Service, children_cpu_seconds, cpu_layout, free_port, pinned
+from loadtest.overhead.profile import Profile, Recorder
+from loadtest.overhead.wrk import run_wrk
+
+BUSY = 0.85  # a process using this share of its core or more is what bounds a run
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One load run and how busy each process was during it (CPU seconds per wall second)."""
+
+    result: LoadResult
+    busy: dict[str, float]
+
+    def to_json(self) -> dict:
+        """The run as plain JSON."""
+        return {**self.result.to_json(), "busy": self.busy}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The same load sent directly to a replica and through kvgate."""
+
+    name: str
+    spec: LoadSpec
+    direct: Measured
+    kvgate: Measured
+
+    @property
+    def errors(self) -> int:
+        """Failed requests in both runs."""
+        return self.direct.result.errors + self.kvgate.result.errors
+
+    @property
+    def rps_ratio(self) -> float:
+        """kvgate's throughput over the direct one (1.0: no loss)."""
+        return self.kvgate.result.rps / self.direct.result.rps if self.direct.result.rps else 0.0
+
+    @property
+    def added_p50_ms(self) -> float:
+        """Median latency kvgate adds."""
+        return self.kvgate.result.p50_ms - self.direct.result.p50_ms
+
+    @property
+    def added_p99_ms(self) -> float:
+        """99th-percentile latency kvgate adds."""
+        return self.kvgate.result.p99_ms - self.direct.result.p99_ms
+
+    def bound(self) -> str:
+        """What limited the run through kvgate: its own core, the shared core of client and stub, or neither."""
+        busy = self.kvgate.busy
+        if busy.get("kvgate", 0.0) >= BUSY:
+            return "kvgate CPU"
+        if busy.get("client", 0.0) + busy.get("stub", 0.0) >= BUSY:
+            return "client+stub CPU"
+        return "not CPU"
+
+    def to_json(self) -> dict:
+        """The comparison with its derived numbers, as plain JSON."""
+        return {"name": self.name, "spec": self.spec.to_json(), "direct": self.direct.to_json(),
+                "kvgate": self.kvgate.to_json(), "rps_ratio": round(self.rps_ratio, 3),
+                "added_p50_ms": round(self.added_p50_ms, 3), "added_p99_ms": round(self.added_p99_ms, 3),
+                "bound": self.bound()}
+
+
+@dataclass(frozen=True)
+class StreamCpu:
+    """CPU that kvgate and the stub spent relaying the same streamed chunks."""
+
+    chunks: int
+    wall_s: float
+    kvgate_cpu_s: float
+    stub_cpu_s: float
+    errors: int
+
+    def per_10k(self, cpu_s: float) -> float:
+        """CPU seconds per 10,000 chunks."""
+        return cpu_s / self.chunks * 10_000 if self.chunks else 0.0
+
+    def to_json(self) -> dict:
+        """The measurement with per-10k figures and the ratio, as plain JSON."""
+        return {**dataclasses.asdict(self), "kvgate_cpu_s_per_10k_chunks": round(self.per_10k(self.kvgate_cpu_s), 4),
+                "stub_cpu_s_per_10k_chunks": round(self.per_10k(self.stub_cpu_s), 4),
+                "kvgate_over_stub": round(self.kvgate_cpu_s / self.stub_cpu_s, 2) if self.stub_cpu_s else None}
+
+
+class Rig:
+    """Stub replicas in one process and kvgate in front of them, each pinned when two CPUs are usable."""
+
+    def __init__(self, replicas: int = 2, policy: str = "cache-aware") -> None:
+        self.gateway_cpu, self.other_cpu = cpu_layout()
+        ports = [free_port() for _ in range(replicas)]
+        self.replica_urls = [f"http://127.0.0.1:{port}" for port in ports]
+        self.stub = Service("stub", [sys.executable, "-m", "loadtest.overhead.stub",
+                                     "--ports", ",".join(map(str, ports))], self.other_cpu)
+        gateway_port = free_port()
+        self.gateway_url = f"http://127.0.0.1:{gateway_port}"
+        self.kvgate = Service("kvgate", [
+            sys.executable, "-m", "router.cli", "serve", "--listen", f"127.0.0.1:{gateway_port}",
+            "--endpoints", ",".join(self.replica_urls), "--policy", policy, "--log-level", "warning",
+            "--drain-delay", "0", "--drain-timeout", "1"], self.gateway_cpu)
+        try:
+            for url in self.replica_urls:
+                self.stub.wait_ready(url + "/v1/models")
+            self.kvgate.wait_ready(self.gateway_url + "/readyz")
+        except BaseException:
+            self.close()
+            raise
+
+    def pinning(self) -> str:
+        """How processes share the CPUs, in words."""
+        if self.gateway_cpu is None:
+            return "not pinned (fewer than two usable CPUs)"
+        return f"kvgate on CPU {self.gateway_cpu}; stub replicas, load generator and py-spy on CPU {self.other_cpu}"
+
+    def close(self) -> None:
+        """Stop kvgate, then the stubs."""
+        self.kvgate.stop()
+        self.stub.stop()
+
+    def _generate(self, spec: LoadSpec, generator: str) -> LoadResult:
+        if generator == "wrk":
+            return run_wrk(spec, self.other_cpu)
+        command = pinned([sys.executable, "-m", "loadtest.overhead.pyclient",
+                          orjson.dumps(spec.to_json()).decode()], self.other_cpu)
+        done = subprocess.run(command, capture_output=True, text=True, check=True,
+                              timeout=spec.warmup_s + spec.duration_s + 120)
+        return LoadResult.from_json(orjson.loads(done.stdout.splitlines()[-1]))
+
+    def measure(self, spec: LoadSpec, generator: str) -> Measured:
+        """Run one load and charge each process's CPU over it."""
+        before = {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
+                  "client": children_cpu_seconds()}
+        started = time.perf_counter()
+        result = self._generate(spec, generator)
+        wall = time.perf_counter() - started
+        after = {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
+                 "client": children_cpu_seconds()}
+        return Measured(result, {name: round((after[name] - before[name]) / wall, 3) for name in before})
+
+    def compare(self, name: str, spec: LoadSpec, generator: str) -> Comparison:
+        """The load sent to the first replica, then the same load through kvgate."""
+        direct = self.measure(dataclasses.replace(spec, url=self.replica_urls[0]), generator)
+        through = self.measure(dataclasses.replace(spec, url=self.gateway_url), generator)
+        return Comparison(name, spec, direct, through)
+
+    def stream_cpu(self, spec: LoadSpec) -> StreamCpu:
+        """A streaming run through kvgate with no warm-up, so every chunk sent is counted."""
+        spec = dataclasses.replace(spec, url=self.gateway_url, stream=True, warmup_s=0.0)
+        kvgate_before, stub_before = self.kvgate.cpu_seconds(), self.stub.cpu_seconds()
+        started = time.perf_counter()
+        result = self._generate(spec, "python")
+        wall = time.perf_counter() - started
+        return StreamCpu(chunks=result.requests * spec.chunks, wall_s=round(wall, 3),
+                         kvgate_cpu_s=round(self.kvgate.cpu_seconds() - kvgate_before, 3),
+                         stub_cpu_s=round(self.stub.cpu_seconds() - stub_before, 3), errors=result.errors)
+
+    def profile(self, spec: LoadSpec, py_spy: str, output: Path, generator: str) -> Profile | None:
+        """Sample kvgate with py-spy while the spec's load runs through it."""
+        spec = dataclasses.replace(spec, url=self.gateway_url, warmup_s=0.0)
+        recorder = Recorder(py_spy, self.kvgate.pid, spec.duration_s, output, self.other_cpu)
+        self._generate(spec, generator)
+        return recorder.finish()

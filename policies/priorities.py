@@ -1,0 +1,83 @@
+"""Priority classes and fleet saturation: which class a request belongs to, and how much more the fleet takes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from endpoints.model import EndpointState
+
+PRIORITY_HEADER = "x-priority"
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+
+
+class PriorityError(ValueError):
+    """A priority header names no known class; the message names the header."""
+
+    def __init__(self, header: str, message: str) -> None:
+        super().__init__(message)
+        self.header = header
+
+
+@dataclass(frozen=True)
+class PriorityConfig:
+    """Classes from most to least important, the default, and objective names mapped to classes."""
+
+    classes: tuple[str, ...] = ("interactive", "batch")
+    default: str = "interactive"
+    objectives: Mapping[str, str] = field(default_factory=dict)  # objective name -> class
+
+
+def classify(headers: Mapping[str, str], config: PriorityConfig, fallback: str | None = None) -> str:
+    """The request's class: x-priority, else x-gateway-inference-objective, else `fallback` or the default.
+
+    An objective given as an integer follows the Inference Extension's convention: negative priorities are
+    sheddable (the least important class), others the most important one.
+    """
+    value = headers.get(PRIORITY_HEADER)
+    if value is not None:
+        name = value.strip().lower()
+        if name not in config.classes:
+            raise PriorityError(PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be one of "
+                                                 f"{', '.join(config.classes)}, got {value[:64]!r}")
+        return name
+    objective = headers.get(OBJECTIVE_HEADER)
+    if objective is not None:
+        name = objective.strip()
+        if name in config.objectives:
+            return config.objectives[name]
+        try:
+            return config.classes[-1] if int(name) < 0 else config.classes[0]
+        except ValueError:
+            raise PriorityError(OBJECTIVE_HEADER, f"header {OBJECTIVE_HEADER} names an unknown objective "
+                                                  f"{objective[:64]!r}") from None
+    return fallback or config.default
+
+
+@dataclass(frozen=True)
+class SaturationThresholds:
+    """A replica is saturated at this queue depth, KV-cache use or gateway in-flight count (0 = no limit)."""
+
+    queue: int = 5
+    kv_cache: float = 0.8
+    in_flight: int = 0
+
+
+def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
+    """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
+
+    Stale metrics fail open: the replica is judged by the gateway's in-flight count alone.
+    """
+    room = float("inf")
+    if not state.metrics.stale:
+        if state.metrics.kv_cache_usage >= limits.kv_cache:
+            return 0.0
+        room = max(0.0, limits.queue - state.metrics.waiting)
+    if limits.in_flight:
+        room = min(room, max(0.0, limits.in_flight - state.in_flight))
+    return room
+
+
+def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds) -> float:
+    """Requests the candidates take before every one is saturated; 0 means the fleet is saturated."""
+    return sum(headroom(state, limits) for state in candidates)

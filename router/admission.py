@@ -1,0 +1,191 @@
+"""The admission queue: while a model's replicas are saturated, requests wait here by priority class.
+
+Strict priority between classes, FIFO within one. The queue releases requests as the fleet drains: each
+request that finishes frees one place, and every metrics scrape recomputes how many more the replicas take
+before they are saturated (policies.priorities.fleet_headroom). Lower classes get a minimum share of
+dispatches so they are never starved; under overflow the newest request of the least important class is
+shed first, with 429 and Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from policies.priorities import PriorityConfig
+from policies.types import RequestInfo
+from router.errors import GatewayError
+from router.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Bounds of the admission queue."""
+
+    max_requests: int = 10_000  # waiting requests, all classes together
+    max_bytes: int = 512 * 1024 * 1024  # request bodies held, all classes together
+    class_max_requests: Mapping[str, float] = field(default_factory=lambda: {"interactive": 2000.0})
+    max_wait: Mapping[str, float] = field(default_factory=lambda: {"interactive": 30.0, "batch": 600.0})
+    min_share: float = 0.05  # of dispatches that go to a waiting lower class while higher ones wait
+    retry_after_s: int = 2
+
+
+@dataclass(eq=False)
+class _Waiter:
+    info: RequestInfo
+    rank: int  # index of its class, 0 = most important
+    enqueued: float
+    future: asyncio.Future[None]
+
+
+class AdmissionQueue:
+    """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
+
+    def __init__(self, config: AdmissionConfig, priorities: PriorityConfig, fleet_headroom: Callable[[str], float],
+                 metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = config
+        self._classes = priorities.classes
+        self._fleet_headroom = fleet_headroom
+        self._metrics = metrics
+        self._clock = clock
+        self._queues: dict[str, list[deque[_Waiter]]] = {}  # model -> one FIFO per class
+        self._credit: dict[str, float] = {}  # model -> requests that may still go out before the next refresh
+        self._since_low: dict[str, int] = {}  # model -> dispatches from a higher class while a lower one waited
+        self._count = 0
+        self._bytes = 0
+
+    async def admit(self, info: RequestInfo) -> None:
+        """Return when the request may go to a replica; raise GatewayError(429) when it is shed."""
+        rank = self._classes.index(info.priority_class)
+        model = info.model
+        if not self._waiting(model) and self._take_credit(model):
+            self._metrics.admitted.labels(info.priority_class, "direct").inc()
+            return
+        waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future())
+        self._enqueue(model, waiter)
+        max_wait = self._config.max_wait.get(info.priority_class, 60.0)
+        try:
+            async with asyncio.timeout(max_wait):
+                await waiter.future
+        except TimeoutError:
+            if not (waiter.future.done() and not waiter.future.cancelled()):
+                self._remove(model, waiter)
+                self._shed(info.priority_class, "timeout")
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self.release(model)  # dispatched just as the client left: give the place back
+            else:
+                self._remove(model, waiter)
+                self._metrics.queue_abandoned.labels(info.priority_class).inc()
+            raise
+        self._metrics.queue_wait.labels(info.priority_class).observe(self._clock() - waiter.enqueued)
+        self._metrics.admitted.labels(info.priority_class, "queued").inc()
+
+    def release(self, model: str) -> None:
+        """A request of `model` finished: one more place, then dispatch."""
+        self._credit[model] = self._current_credit(model) + 1
+        self._dispatch(model)
+
+    def refresh(self) -> None:
+        """The fleet changed (a scrape, discovery): recompute every model's headroom and dispatch."""
+        self._credit.clear()
+        for model in list(self._queues):
+            self._dispatch(model)
+
+    def describe(self) -> dict[str, object]:
+        """Queue depth per model and class, for /debug/fleet."""
+        return {
+            "waiting": self._count, "bytes": self._bytes,
+            "models": {model: {self._classes[rank]: len(queue) for rank, queue in enumerate(queues)}
+                       for model, queues in self._queues.items()},
+        }
+
+    def _waiting(self, model: str) -> bool:
+        return any(self._queues.get(model, ()))
+
+    def _current_credit(self, model: str) -> float:
+        if model not in self._credit:
+            self._credit[model] = self._fleet_headroom(model)
+        return self._credit[model]
+
+    def _take_credit(self, model: str) -> bool:
+        if self._current_credit(model) < 1:
+            return False
+        self._credit[model] -= 1
+        return True
+
+    def _enqueue(self, model: str, waiter: _Waiter) -> None:
+        name = waiter.info.priority_class
+        queues = self._queues.setdefault(model, [deque() for _ in self._classes])
+        if len(queues[waiter.rank]) >= self._config.class_max_requests.get(name, math.inf):
+            self._shed(name, "queue_full")
+        size = waiter.info.body_bytes
+        while self._count + 1 > self._config.max_requests or self._bytes + size > self._config.max_bytes:
+            victim = self._newest_less_important(waiter.rank)
+            if victim is None:
+                self._shed(name, "queue_full")
+            victim_model, victim_waiter = victim
+            self._remove(victim_model, victim_waiter)
+            self._metrics.shed.labels(victim_waiter.info.priority_class, "displaced").inc()
+            victim_waiter.future.set_exception(self._shed_error(victim_waiter.info.priority_class))
+        queues[waiter.rank].append(waiter)
+        self._count += 1
+        self._bytes += size
+        self._metrics.queue_depth.labels(name).inc()
+
+    def _newest_less_important(self, rank: int) -> tuple[str, _Waiter] | None:
+        """The most recently queued request of the least important class below `rank`, in any model."""
+        for lower in range(len(self._classes) - 1, rank, -1):
+            newest = max(((model, queues[lower][-1]) for model, queues in self._queues.items() if queues[lower]),
+                         key=lambda item: item[1].enqueued, default=None)
+            if newest is not None:
+                return newest
+        return None
+
+    def _remove(self, model: str, waiter: _Waiter) -> None:
+        queue = self._queues[model][waiter.rank]
+        queue.remove(waiter)
+        self._forget(model, waiter)
+
+    def _forget(self, model: str, waiter: _Waiter) -> None:
+        self._count -= 1
+        self._bytes -= waiter.info.body_bytes
+        self._metrics.queue_depth.labels(waiter.info.priority_class).dec()
+        if not self._waiting(model):
+            del self._queues[model]
+
+    def _dispatch(self, model: str) -> None:
+        """Release waiting requests of `model` while the fleet has room."""
+        while self._waiting(model) and self._take_credit(model):
+            queues = self._queues[model]
+            rank = self._next_rank(model, queues)
+            waiter = queues[rank].popleft()
+            self._forget(model, waiter)
+            waiter.future.set_result(None)
+
+    def _next_rank(self, model: str, queues: list[deque[_Waiter]]) -> int:
+        """The most important non-empty class, except every 1/min_share-th dispatch, which goes to a lower one."""
+        ranks = [rank for rank, queue in enumerate(queues) if queue]
+        if len(ranks) == 1 or self._config.min_share <= 0:
+            self._since_low[model] = 0
+            return ranks[0]
+        self._since_low[model] = self._since_low.get(model, 0) + 1
+        if self._since_low[model] >= 1 / self._config.min_share:
+            self._since_low[model] = 0
+            return min(ranks[1:], key=lambda rank: queues[rank][0].enqueued)  # the longest-waiting lower class
+        return ranks[0]
+
+    def _shed_error(self, priority_class: str) -> GatewayError:
+        return GatewayError(429, f"the fleet is saturated and the {priority_class} queue cannot take this request; "
+                                 "retry later", headers={"Retry-After": str(self._config.retry_after_s)})
+
+    def _shed(self, priority_class: str, reason: str) -> None:
+        self._metrics.shed.labels(priority_class, reason).inc()
+        raise self._shed_error(priority_class)

@@ -1,0 +1,196 @@
+"""Priority classes and the admission queue: order under saturation, shedding, bounds, disconnects, starvation."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from loadtest.simulator import SimFleet, SimOptions
+from policies.priorities import PriorityConfig, PriorityError, classify
+from policies.types import RequestInfo
+from router.admission import AdmissionConfig, AdmissionQueue
+from router.errors import GatewayError
+from router.metrics import GatewayMetrics
+from tests.harness import running_gateway, wait_until
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+class Room:
+    """A settable fleet headroom."""
+
+    def __init__(self, free: float) -> None:
+        self.free = free
+
+    def __call__(self, model: str) -> float:
+        return self.free
+
+
+def queue_with(room: Room, **bounds) -> AdmissionQueue:
+    return AdmissionQueue(AdmissionConfig(**bounds), PriorityConfig(), room, GatewayMetrics())
+
+
+def info(cls: str, n: int = 0, size: int = 100) -> RequestInfo:
+    return RequestInfo(model="m", priority_class=cls, block_hashes=(n,), body_bytes=size)
+
+
+async def admit_all(queue: AdmissionQueue, requests: list[RequestInfo], order: list[int]) -> list[asyncio.Task]:
+    async def one(index: int, request: RequestInfo) -> None:
+        await queue.admit(request)
+        order.append(index)
+
+    tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
+    await asyncio.sleep(0)
+    return tasks
+
+
+@pytest.mark.parametrize(("headers", "expected"), [
+    ({}, "interactive"),
+    ({"x-priority": "BATCH"}, "batch"),
+    ({"x-priority": " Interactive "}, "interactive"),
+    ({"x-gateway-inference-objective": "-1"}, "batch"),
+    ({"x-gateway-inference-objective": "10"}, "interactive"),
+    ({"x-gateway-inference-objective": "nightly-eval"}, "batch"),
+])
+def test_priority_class_comes_from_headers(headers, expected) -> None:
+    config = PriorityConfig(objectives={"nightly-eval": "batch"})
+    assert classify(headers, config) == expected
+
+
+@pytest.mark.parametrize(("headers", "header"), [
+    ({"x-priority": "urgent"}, "x-priority"),
+    ({"x-gateway-inference-objective": "who-knows"}, "x-gateway-inference-objective"),
+])
+def test_unknown_priority_values_are_rejected_naming_the_header(headers, header) -> None:
+    with pytest.raises(PriorityError) as caught:
+        classify(headers, PriorityConfig())
+    assert caught.value.header == header and header in str(caught.value)
+
+
+async def test_requests_pass_straight_through_while_the_fleet_has_room() -> None:
+    queue = queue_with(Room(3))
+    for _ in range(3):
+        await asyncio.wait_for(queue.admit(info("batch")), 1)
+    assert queue.describe()["waiting"] == 0
+
+
+async def test_saturated_fleet_dispatches_interactive_before_earlier_batch() -> None:
+    room = Room(0)
+    queue = queue_with(room, min_share=0)
+    order: list[int] = []
+    requests = [info("batch", 0), info("batch", 1), info("interactive", 2), info("batch", 3), info("interactive", 4)]
+    tasks = await admit_all(queue, requests, order)
+    assert queue.describe()["waiting"] == 5 and order == []
+    for _ in range(5):
+        queue.release("m")  # one request finished elsewhere: one place
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == [2, 4, 0, 1, 3]
+
+
+async def test_batch_gets_its_minimum_share_while_interactive_keeps_waiting() -> None:
+    queue = queue_with(Room(0), min_share=0.25)
+    order: list[int] = []
+    requests = [info("batch", i) for i in range(3)] + [info("interactive", 10 + i) for i in range(9)]
+    tasks = await admit_all(queue, requests, order)
+    for _ in range(8):
+        queue.release("m")
+        await asyncio.sleep(0)
+    served_batch = [i for i in order if i < 3]
+    assert len(order) == 8 and served_batch == [0, 1]  # every 4th dispatch goes to the waiting batch
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_overflow_sheds_the_newest_batch_before_any_interactive() -> None:
+    queue = queue_with(Room(0), max_requests=3)
+    order: list[int] = []
+    tasks = await admit_all(queue, [info("batch", 0), info("batch", 1), info("interactive", 2)], order)
+    late = asyncio.create_task(queue.admit(info("interactive", 3)))
+    await asyncio.sleep(0)
+    results = await asyncio.gather(tasks[1], return_exceptions=True)
+    assert isinstance(results[0], GatewayError) and results[0].status == 429
+    assert results[0].headers["Retry-After"] == "2"
+    extra_batch = asyncio.create_task(queue.admit(info("batch", 4)))
+    (error,) = await asyncio.gather(extra_batch, return_exceptions=True)
+    assert isinstance(error, GatewayError) and error.status == 429  # batch never displaces interactive
+    assert queue.describe()["waiting"] == 3
+    for task in (*tasks, late):
+        task.cancel()
+    await asyncio.gather(*tasks, late, return_exceptions=True)
+
+
+async def test_queue_bounds_in_bytes_and_per_class_count() -> None:
+    queue = queue_with(Room(0), max_bytes=1000, class_max_requests={"interactive": 1})
+    first = asyncio.create_task(queue.admit(info("interactive", 0, size=600)))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(queue.admit(info("interactive", 1, size=10)))
+    big_batch = asyncio.create_task(queue.admit(info("batch", 2, size=600)))
+    errors = await asyncio.gather(second, big_batch, return_exceptions=True)
+    assert [e.status for e in errors] == [429, 429]
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_waiting_too_long_is_shed_with_429() -> None:
+    queue = queue_with(Room(0), max_wait={"interactive": 30.0, "batch": 0.05})
+    with pytest.raises(GatewayError) as caught:
+        await asyncio.wait_for(queue.admit(info("batch")), 2)
+    assert caught.value.status == 429
+    assert queue.describe()["waiting"] == 0
+
+
+async def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once() -> None:
+    queue = queue_with(Room(0))
+    task = asyncio.create_task(queue.admit(info("batch", size=500)))
+    await asyncio.sleep(0)
+    assert queue.describe()["waiting"] == 1
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert queue.describe() == {"waiting": 0, "bytes": 0, "models": {}}
+
+
+async def test_unknown_priority_header_gets_400_through_the_gateway() -> None:
+    fleet = await SimFleet.start([0], SimOptions(speed=50.0))
+    try:
+        async with running_gateway(endpoints=fleet.urls) as gw, aiohttp.ClientSession() as client:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+            async with client.post(gw.url + "/v1/chat/completions", json=body,
+                                   headers={"x-priority": "vip"}) as resp:
+                assert resp.status == 400
+                error = (await resp.json())["error"]
+    finally:
+        await fleet.stop()
+    assert error["param"] == "x-priority"
+
+
+async def test_saturated_simulated_fleet_serves_interactive_first_and_completes_batch() -> None:
+    # One replica running one sequence at a time; saturated as soon as one request waits.
+    options = SimOptions(speed=4.0, max_num_seqs=1, default_max_tokens=4)
+    fleet = await SimFleet.start([0], options)
+    finished: list[str] = []
+    try:
+        async with running_gateway(endpoints=fleet.urls, saturation={"queue": 1}, scrape_interval=0.05,
+                                   scrape_timeout=0.04) as gw, aiohttp.ClientSession() as client:
+            await wait_until(lambda: not gw.gateway.scraper.metrics(fleet.urls[0]).stale)
+
+            async def send(name: str, cls: str) -> None:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": name}], "max_tokens": 4}
+                async with client.post(gw.url + "/v1/chat/completions", json=body,
+                                       headers={"x-priority": cls}) as resp:
+                    assert resp.status == 200, await resp.text()
+                    await resp.read()
+                finished.append(name)
+
+            batch = [asyncio.create_task(send(f"batch-{i}", "batch")) for i in range(8)]
+            await wait_until(lambda: gw.gateway.admission.describe()["waiting"] >= 4, timeout=10)
+            interactive = asyncio.create_task(send("interactive", "interactive"))
+            await asyncio.wait_for(asyncio.gather(interactive, *batch), 60)
+    finally:
+        await fleet.stop()
+    assert len(finished) == 9
+    # Batch requests already queued in the gateway were still waiting when the interactive one finished.
+    assert finished.index("interactive") < 6
