@@ -7,6 +7,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from endpoints.health import PassiveHealth
 from endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 
 log = logging.getLogger(__name__)
@@ -19,9 +20,10 @@ class Fleet:
     """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
 
     def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 health: PassiveHealth | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics
         self._models = models
+        self.health = health or PassiveHealth(clock=clock)
         self._clock = clock
         self._endpoints: dict[str, Endpoint] = {}
         self._in_flight: Counter[str] = Counter()
@@ -49,6 +51,7 @@ class Fleet:
         self._endpoints = new
         for key in sorted(removed):
             log.info("endpoint removed key=%s", key)
+            self.health.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -63,7 +66,7 @@ class Fleet:
         """An immutable view of every endpoint with its metrics, models and in-flight count."""
         states = tuple(
             EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
-                          models=self._models(key))
+                          models=self._models(key), healthy=self.health.healthy(key))
             for key, e in self._endpoints.items()
         )
         return FleetSnapshot(endpoints=states, now=self._clock())

@@ -81,8 +81,14 @@ class FleetSnapshot:
     now: float = 0.0
 
     def candidates(self, model: str) -> tuple[EndpointState, ...]:
-        """Endpoints that serve `model`, accept new requests and are healthy."""
-        return tuple(s for s in self.endpoints if s.endpoint.accepting and s.healthy and s.serves(model))
+        """Endpoints that serve `model`, accept new requests and are healthy.
+
+        When every such endpoint's breaker is open, all of them are candidates: failing open beats failing
+        every request on the word of a breaker.
+        """
+        serving = tuple(s for s in self.endpoints if s.endpoint.accepting and s.serves(model))
+        healthy = tuple(s for s in serving if s.healthy)
+        return healthy or serving
 
     def known_models(self) -> frozenset[str]:
         """Union of the models every endpoint reports."""

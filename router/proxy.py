@@ -133,14 +133,17 @@ class Forwarder:
                                                 allow_redirects=False)
         except aiohttp.ClientConnectorError as exc:
             self._metrics.upstream_errors.labels("connect", target.key).inc()
+            self._fleet.health.failure(target.key, "connect")
             log.warning("upstream connect failed replica=%s error=%s", target.key, exc.os_error or exc)
             raise _Retryable("connect") from None
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             self._metrics.upstream_errors.labels("timeout", target.key).inc()
+            self._fleet.health.failure(target.key, "timeout")
             raise GatewayError(504, "the replica did not answer in time") from None
         except aiohttp.ClientError as exc:
             self._metrics.upstream_errors.labels("protocol", target.key).inc()
             raise GatewayError(502, f"the replica failed before answering: {type(exc).__name__}") from None
+        self._fleet.health.success(target.key)  # any answer, 4xx and 5xx included, means it is up
         if upstream.status != 503:
             return upstream, None
         body = await upstream.read()
@@ -180,6 +183,7 @@ class Forwarder:
             kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream_broken"
             outcome.error = kind
             self._metrics.upstream_errors.labels(kind, outcome.replica).inc()
+            self._fleet.health.failure(outcome.replica, kind)
             log.warning("upstream failed mid-response replica=%s kind=%s", outcome.replica, kind)
             if is_sse:
                 message = "the replica stopped answering mid-stream" if kind == "idle_timeout" else \

@@ -150,7 +150,9 @@ def test_policies_choose_only_candidates_that_may_take_the_request(name: str) ->
     draining = EndpointState(Endpoint("draining", "http://d", accepting=False))
     broken = EndpointState(Endpoint("broken", "http://b"), healthy=False)
     other_model = EndpointState(Endpoint("other", "http://o"), models=frozenset({"other"}))
-    assert policy.pick(request("x"), fleet_of(draining, broken, other_model)) is None
+    assert policy.pick(request("x"), fleet_of(draining, other_model)) is None
+    # When every candidate's breaker is open the fleet fails open rather than failing every request.
+    assert policy.pick(request("x"), fleet_of(draining, broken, other_model)).endpoint.key == "broken"
     assert policy.pick(request("x"), FleetSnapshot(())) is None
     fleet = fleet_of(draining, broken, other_model, state("ok-1"), state("ok-2"))
     for i in range(20):
