@@ -86,6 +86,7 @@ def choose_generator(requested: str) -> str:
 
 def run_benchmark(plan: Plan, generator: str, quick: bool, profile: bool, scratch: Path) -> dict[str, Any]:
     """Start the rig, run every part, and return the report as JSON-ready data."""
+    load_before = os.getloadavg()[0]
     rig = Rig(replicas=REPLICAS, policy=POLICY)
     try:
         rows = [rig.compare(name, spec, generator if closed else "python").to_json()
@@ -103,7 +104,8 @@ def run_benchmark(plan: Plan, generator: str, quick: bool, profile: bool, scratc
         meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "quick": quick,
                 "cpus": os.cpu_count(), "pinning": rig.pinning(), "replicas": REPLICAS, "policy": POLICY,
                 "body_bytes": BODY_BYTES, "variants": LoadSpec(url="").variants, "closed_loop_generator": generator,
-                "python": platform.python_version(), "aiohttp": aiohttp.__version__}
+                "python": platform.python_version(), "aiohttp": aiohttp.__version__,
+                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     finally:
         rig.close()
     return {"meta": meta, "rows": rows, "stream_cpu": stream_cpu, "profiles": profiles}

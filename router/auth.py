@@ -32,6 +32,8 @@ _FIELDS = ("name", "key", "priority", "requests_per_minute", "tokens_per_minute"
 # Routes that answer without a key (probes, and metrics/debug when no admin port is configured).
 _OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 _OPEN_PREFIX = "/debug/"
+# Once the gateway has checked a key, the replicas must not see it: forwardable(headers, CREDENTIAL_HEADERS).
+CREDENTIAL_HEADERS = frozenset({"authorization"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ from policies import build_policy
 from policies.priorities import fleet_headroom
 from policies.types import Policy
 from router.admission import AdmissionQueue
+from router.auth import CREDENTIAL_HEADERS, ApiKeyStore
+from router.ratelimit import RateLimiter
 from router.config import GatewayConfig
 from router.metrics import FleetCollector, GatewayMetrics
 from router.proxy import Forwarder, UpstreamTimeouts
@@ -52,6 +54,10 @@ class Gateway:
         self.fleet: Fleet | None = None
         self.forwarder: Forwarder | None = None
         self.admission: AdmissionQueue | None = None
+        # API keys are read at construction so a bad file stops the gateway before it listens.
+        self.keys = ApiKeyStore(config.api_keys_file, priority_classes=config.priorities.classes) \
+            if config.api_keys_file else None
+        self.limiter = RateLimiter()
         self.models: ModelLister | None = None
         self.scraper: MetricsScraper | None = None
 
@@ -89,7 +95,8 @@ class Gateway:
         self.fleet.on_endpoints(lambda _endpoints: self.admission.refresh())
         self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,
                                    UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
-                                                    config.request_timeout), config.retries)
+                                                    config.request_timeout), config.retries,
+                                   dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset())
         self.metrics.add_collector(FleetCollector(
             discovery=lambda: self.discovery.status,
             endpoint_states=self._endpoint_states,
@@ -100,6 +107,7 @@ class Gateway:
             ("discovery", self.discovery.run(self.fleet.apply)),
             ("scraper", self.scraper.run()),
             ("models", self.models.run()),
+            *((("api-keys", self.keys.run()),) if self.keys else ()),
         )]
         try:
             yield

@@ -10,7 +10,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.auth import KEY_INFO
 from router.errors import GatewayError, error_response
+from router.ratelimit import estimate_tokens
 from router.gateway import Gateway
 from router.headers import request_id as make_request_id
 from router.proxy import CLIENT_GONE, Outcome
@@ -39,10 +41,13 @@ class Handlers:
         model = "-"
         admitted = False
         try:
-            priority_class = self._priority_class(request)
+            key = request.get(KEY_INFO)
+            priority_class = self._priority_class(request, key.priority if key else None)
             raw = await self._read_body(request)
             parsed = parse_request(request.path, raw, priority_class, gateway.config.routing)
             model = parsed.info.model
+            if key is not None:
+                gateway.limiter.admit(key, estimate_tokens(parsed))
             if not gateway.serves(model) and gateway.models_known():
                 raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
             await gateway.admission.admit(parsed.info)
@@ -65,10 +70,10 @@ class Handlers:
             self._finish(request, model, outcome)
         return response
 
-    def _priority_class(self, request: web.Request) -> str:
-        """The request's priority class from its headers; 400 naming the header for an unknown value."""
+    def _priority_class(self, request: web.Request, key_default: str | None) -> str:
+        """The request's priority class from its headers or its API key; 400 naming the header for a bad value."""
         try:
-            return classify(request.headers, self.gateway.config.priorities)
+            return classify(request.headers, self.gateway.config.priorities, fallback=key_default)
         except PriorityError as exc:
             raise GatewayError(400, str(exc), param=exc.header) from None
 

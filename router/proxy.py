@@ -64,13 +64,14 @@ class Forwarder:
     """Sends parsed requests to replicas chosen by the policy and relays responses chunk by chunk."""
 
     def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, policy: Policy, metrics: GatewayMetrics,
-                 timeouts: UpstreamTimeouts, retries: int) -> None:
+                 timeouts: UpstreamTimeouts, retries: int, dropped_headers: frozenset[str] = frozenset()) -> None:
         self._session = session
         self._fleet = fleet
         self._policy = policy
         self._metrics = metrics
         self._timeout = timeouts.client_timeout()
         self._retries = retries
+        self._dropped_headers = dropped_headers  # the gateway's own credentials never reach a replica
 
     def choose(self, parsed: ParsedRequest) -> Decision:
         """Pick a replica for the request; raises 503 when none can take it."""
@@ -86,7 +87,7 @@ class Forwarder:
     async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
                       outcome: Outcome) -> web.StreamResponse:
         """Proxy the request, retrying on another replica only while nothing reached the client."""
-        headers = forwardable(request.headers)
+        headers = forwardable(request.headers, self._dropped_headers)
         headers["x-request-id"] = outcome.request_id
         targets = [decision.endpoint, *decision.fallbacks][: self._retries + 1]
         for attempt, target in enumerate(targets):

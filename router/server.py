@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from router.config import GatewayConfig
+from router.auth import auth_middleware
 from router.errors import GatewayError, error_response
 from router.gateway import Gateway
 from router.handlers import Handlers
@@ -42,7 +43,8 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 def build_apps(gateway: Gateway) -> tuple[web.Application, web.Application | None]:
     """The public application and, when an admin listener is configured, the admin one."""
     handlers = Handlers(gateway)
-    app = web.Application(middlewares=[openai_errors], client_max_size=gateway.config.max_body_bytes)
+    middlewares = [openai_errors] + ([auth_middleware(gateway.keys)] if gateway.keys else [])
+    app = web.Application(middlewares=middlewares, client_max_size=gateway.config.max_body_bytes)
     app.cleanup_ctx.append(gateway.lifecycle)
     for path in ROUTE_KINDS:
         app.router.add_post(path, handlers.inference)

@@ -471,6 +471,16 @@ def test_full_cache_preempts_the_newest_running_sequence():
     assert core.cache.pinned_blocks == 3
 
 
+def test_blocks_shared_by_running_sequences_count_once():
+    core = EngineCore(SimOptions())
+    first, second = _sequence("a", 64, max_tokens=4), _sequence("a", 64, max_tokens=4)
+    core.add(first)
+    core.add(second)
+    core.schedule()
+    # The second reuses 3 blocks (its last token is recomputed) and holds a private copy of the fourth.
+    assert core.totals.prefix_cache_hits == 48 and core.cache.pinned_blocks == 5
+
+
 def test_priority_scheduling_admits_lower_priority_values_first():
     core = EngineCore(SimOptions(max_num_seqs=1, priority_scheduling=True))
     first, background, urgent = (

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import statistics
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from loadtest.bench.results import ORACLE, RowRun, ScenarioRun
+from loadtest.bench.results import ORACLE, RowPlan, RowRun, ScenarioRun
 
 HIT_SHARE_OF_ORACLE = 0.95
 HIT_POINTS_OVER_BASELINE = 0.40
@@ -15,12 +15,13 @@ GATEWAY_SCALE_OUT_LOSS = 0.02
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    """The q-th percentile (0..100) of sorted `values`, interpolating linearly; None for no values."""
     if not values:
         return None
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1] if 1 <= q <= 99 else None
+    position = (len(values) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,8 +104,7 @@ def _at_most(name: str, value: float | None, threshold: float | None, unit: str)
     return TargetCheck(name, value <= threshold, f"{value * scale:.2f} vs <= {threshold * scale:.2f} {unit}")
 
 
-def _check_row(row: RowSummary, rows: dict[str, RowSummary], baseline: str, skew: str, gateways_of: dict[str, int],
-               policy_of: dict[str, str | None]) -> list[TargetCheck]:
+def _check_row(plan: RowPlan, row: RowSummary, rows: dict[str, RowSummary], baseline: str, skew: str) -> list[TargetCheck]:
     """The targets of a routed row, against the oracle, the round-robin baseline and its one-gateway twin."""
     oracle, rr = rows.get(ORACLE), rows.get(baseline)
     oracle_hit = oracle.hit_rate if oracle else None
@@ -118,8 +118,9 @@ def _check_row(row: RowSummary, rows: dict[str, RowSummary], baseline: str, skew
     if skew == "zipf":
         checks.append(_at_most("max/mean requests <= 1.25", row.max_over_mean, MAX_OVER_MEAN_REQUESTS, "x"))
         checks.append(_at_most("TTFT p99 <= round-robin's", row.ttft_p99, rr.ttft_p99 if rr else None, "ms"))
-    if gateways_of[row.name] > 1:
-        single = rows.get(policy_of[row.name] or "")
+    if plan.gateways > 1:
+        # Single-gateway kvgate rows are named after their policy.
+        single = rows.get(plan.policy or "")
         single_hit = single.hit_rate if single else None
         checks.append(_at_least(f"hit >= 1 gateway - {GATEWAY_SCALE_OUT_LOSS * 100:.0f} pts", row.hit_rate,
                                 None if single_hit is None else single_hit - GATEWAY_SCALE_OUT_LOSS))
@@ -132,9 +133,7 @@ def summarise_scenario(scenario: ScenarioRun) -> list[RowSummary]:
     summaries = [summarise_row(row, oracle_hit) for row in scenario.rows]
     by_name = {summary.name: summary for summary in summaries}
     baseline = next((row.plan.name for row in scenario.rows if row.plan.is_baseline), "")
-    gateways_of = {row.plan.name: row.plan.gateways for row in scenario.rows}
-    policy_of = {row.plan.name: row.plan.policy for row in scenario.rows}
     for row, summary in zip(scenario.rows, summaries, strict=True):
         if row.plan.kind != ORACLE and not row.plan.is_baseline and row.error is None:
-            summary.targets = _check_row(summary, by_name, baseline, scenario.name, gateways_of, policy_of)
+            summary.targets = _check_row(row.plan, summary, by_name, baseline, scenario.name)
     return summaries

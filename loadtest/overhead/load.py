@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -24,6 +24,7 @@ class LoadSpec:
     max_requests: int = 0  # > 0: stop after this many measured requests
     warmup_s: float = 0.5  # requests started in this first stretch are not measured
     variants: int = 256  # distinct bodies cycled through
+    watch: tuple[tuple[str, int], ...] = ()  # (name, pid) of processes whose CPU to charge over the measured stretch
 
     def headers(self) -> dict[str, str]:
         """Request headers, including the stub's streaming knobs (which kvgate forwards unchanged)."""
@@ -46,6 +47,7 @@ class LoadResult:
     p50_ms: float
     p99_ms: float
     first_error: str = ""
+    busy: dict[str, float] = field(default_factory=dict)  # CPU seconds per wall second, by process name
 
     @property
     def rps(self) -> float:

@@ -12,6 +12,8 @@ from pathlib import Path
 from loadtest.overhead.processes import pinned
 
 KVGATE_PACKAGES = ("router/", "endpoints/", "policies/")
+_ENTRY = "(router/cli.py)"  # the process's entry frames, on every stack
+OUTSIDE_KVGATE = "event loop / aiohttp, no kvgate frame"
 
 
 def py_spy_path() -> str | None:
@@ -22,21 +24,28 @@ def py_spy_path() -> str | None:
 
 @dataclass(frozen=True)
 class Profile:
-    """Busy samples of one process: the functions they were in (self) and kvgate's own frames on the stack."""
+    """Busy samples of one process: the functions they were in (self), and the kvgate function that caused them."""
 
     samples: int
     top_self: list[tuple[str, float]]  # (function (file), share of busy samples)
-    top_kvgate: list[tuple[str, float]]  # kvgate functions by inclusive share
+    top_kvgate: list[tuple[str, float]]  # deepest kvgate frame of each sample, libraries it calls included
 
     def to_json(self) -> dict:
         """The profile as plain JSON."""
-        return {"samples": self.samples, "top_self": self.top_self, "top_kvgate_inclusive": self.top_kvgate}
+        return {"samples": self.samples, "top_self": self.top_self, "top_by_kvgate_caller": self.top_kvgate}
+
+
+def _deepest_kvgate_frame(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        if _ENTRY not in frame and any(f"({package}" in frame for package in KVGATE_PACKAGES):
+            return frame
+    return OUTSIDE_KVGATE
 
 
 def summarize(raw: str, top: int = 8) -> Profile:
     """Aggregate py-spy's raw (collapsed-stack) output: `frame;frame;... count` per line."""
     own: Counter[str] = Counter()
-    inclusive: Counter[str] = Counter()
+    caller: Counter[str] = Counter()
     total = 0
     for line in raw.splitlines():
         stack, _, count_text = line.rpartition(" ")
@@ -46,14 +55,12 @@ def summarize(raw: str, top: int = 8) -> Profile:
         frames = stack.split(";")
         total += count
         own[frames[-1]] += count
-        for frame in set(frames):
-            if any(f"({package}" in frame for package in KVGATE_PACKAGES):
-                inclusive[frame] += count
+        caller[_deepest_kvgate_frame(frames)] += count
 
     def shares(counter: Counter[str]) -> list[tuple[str, float]]:
         return [(frame, round(n / total, 3)) for frame, n in counter.most_common(top)] if total else []
 
-    return Profile(samples=total, top_self=shares(own), top_kvgate=shares(inclusive))
+    return Profile(samples=total, top_self=shares(own), top_kvgate=shares(caller))
 
 
 class Recorder:
@@ -62,7 +69,7 @@ class Recorder:
     def __init__(self, py_spy: str, pid: int, duration_s: float, output: Path, cpu: int | None) -> None:
         self._output = output
         command = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))),
-                   "--format", "raw", "--nolineno", "--rate", "200", "--nonblocking", "--output", str(output)]
+                   "--format", "raw", "--nolineno", "--rate", "200", "--output", str(output)]
         self._process = subprocess.Popen(pinned(command, cpu), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def finish(self) -> Profile | None:

@@ -16,6 +16,7 @@ import uvloop
 
 from loadtest.overhead.bodies import chat_bodies
 from loadtest.overhead.load import CHAT_PATH, LoadResult, LoadSpec, percentile_ms
+from loadtest.overhead.processes import process_cpu_seconds
 
 
 class _Tally:
@@ -29,6 +30,17 @@ class _Tally:
     def fail(self, reason: str) -> None:
         self.errors += 1
         self.first_error = self.first_error or reason
+
+
+def _cpu_seconds(spec: LoadSpec) -> dict[str, float]:
+    """CPU seconds so far of each watched process and of this client."""
+    return {**{name: process_cpu_seconds(pid) for name, pid in spec.watch}, "client": time.process_time()}
+
+
+async def _cpu_seconds_after(delay_s: float, spec: LoadSpec) -> dict[str, float]:
+    """`_cpu_seconds` when the warm-up ends."""
+    await asyncio.sleep(delay_s)
+    return _cpu_seconds(spec)
 
 
 async def _one(session: aiohttp.ClientSession, spec: LoadSpec, body: bytes) -> str:
@@ -93,12 +105,16 @@ async def run(spec: LoadSpec) -> LoadResult:
         start = time.perf_counter()
         measure_from = start + spec.warmup_s
         end = measure_from + spec.duration_s
+        cpu_at_start = asyncio.create_task(_cpu_seconds_after(spec.warmup_s, spec))
         loop = _open_loop if spec.rate else _closed_loop
         await loop(session, spec, bodies, tally, measure_from, end)
         finished = time.perf_counter()
+        cpu_before, cpu_after = await cpu_at_start, _cpu_seconds(spec)
+    window = finished - measure_from
+    busy = {name: round((cpu_after[name] - cpu_before[name]) / window, 3) for name in cpu_after}
     return LoadResult(generator="python-aiohttp", requests=len(tally.latencies), errors=tally.errors,
-                      duration_s=round(finished - measure_from, 3), p50_ms=round(percentile_ms(tally.latencies, 50), 3),
-                      p99_ms=round(percentile_ms(tally.latencies, 99), 3), first_error=tally.first_error)
+                      duration_s=round(window, 3), p50_ms=round(percentile_ms(tally.latencies, 50), 3),
+                      p99_ms=round(percentile_ms(tally.latencies, 99), 3), first_error=tally.first_error, busy=busy)
 
 
 def main() -> None:

@@ -38,9 +38,9 @@ def _profile_lines(profiles: dict[str, Any]) -> list[str]:
             lines.append(f"- {load}: no profile (py-spy missing or not permitted)")
             continue
         own = ", ".join(f"`{frame}` {share:.0%}" for frame, share in profile["top_self"][:6])
-        ours = ", ".join(f"`{frame}` {share:.0%}" for frame, share in profile["top_kvgate_inclusive"][:6])
+        ours = ", ".join(f"`{frame}` {share:.0%}" for frame, share in profile["top_by_kvgate_caller"][:6])
         lines.append(f"- {load} ({profile['samples']} busy samples). Self time: {own}.")
-        lines.append(f"  kvgate frames, inclusive: {ours}.")
+        lines.append(f"  By the deepest kvgate function on the stack (the library work it calls included): {ours}.")
     return lines
 
 
@@ -64,7 +64,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"on {meta['cpus']} CPUs ({meta['pinning']}). Replicas are instant stubs "
         f"(`loadtest/overhead/stub.py`), {meta['replicas']} in one process; direct runs hit the first one, "
         f"kvgate (`--policy {meta['policy']}`) spreads over all. Each direct run is followed at once by the same "
-        f"load through kvgate; bodies are {meta['body_bytes']} B chat requests, {meta['variants']} distinct prompts.",
+        f"load through kvgate; bodies are {meta['body_bytes']} B chat requests, {meta['variants']} distinct prompts. "
+        f"1-minute load average before/after: {meta['loadavg_1m'][0]}/{meta['loadavg_1m'][1]} (the machine is shared).",
         "",
         *_comparison_table(report["rows"]),
         "",

@@ -20,45 +20,33 @@ BUSY = 0.85  # a process using this share of its core or more is what bounds a r
 
 
 @dataclass(frozen=True)
-class Measured:
-    """One load run and how busy each process was during it (CPU seconds per wall second)."""
-
-    result: LoadResult
-    busy: dict[str, float]
-
-    def to_json(self) -> dict:
-        """The run as plain JSON."""
-        return {**self.result.to_json(), "busy": self.busy}
-
-
-@dataclass(frozen=True)
 class Comparison:
     """The same load sent directly to a replica and through kvgate."""
 
     name: str
     spec: LoadSpec
-    direct: Measured
-    kvgate: Measured
+    direct: LoadResult
+    kvgate: LoadResult
 
     @property
     def errors(self) -> int:
         """Failed requests in both runs."""
-        return self.direct.result.errors + self.kvgate.result.errors
+        return self.direct.errors + self.kvgate.errors
 
     @property
     def rps_ratio(self) -> float:
         """kvgate's throughput over the direct one (1.0: no loss)."""
-        return self.kvgate.result.rps / self.direct.result.rps if self.direct.result.rps else 0.0
+        return self.kvgate.rps / self.direct.rps if self.direct.rps else 0.0
 
     @property
     def added_p50_ms(self) -> float:
         """Median latency kvgate adds."""
-        return self.kvgate.result.p50_ms - self.direct.result.p50_ms
+        return self.kvgate.p50_ms - self.direct.p50_ms
 
     @property
     def added_p99_ms(self) -> float:
         """99th-percentile latency kvgate adds."""
-        return self.kvgate.result.p99_ms - self.direct.result.p99_ms
+        return self.kvgate.p99_ms - self.direct.p99_ms
 
     def bound(self) -> str:
         """What limited the run through kvgate: its own core, the shared core of client and stub, or neither."""
@@ -132,25 +120,32 @@ class Rig:
         self.kvgate.stop()
         self.stub.stop()
 
-    def _generate(self, spec: LoadSpec, generator: str) -> LoadResult:
-        if generator == "wrk":
-            return run_wrk(spec, self.other_cpu)
+    def _cpu_seconds(self) -> dict[str, float]:
+        return {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
+                "client": children_cpu_seconds()}
+
+    def _wrk(self, spec: LoadSpec) -> LoadResult:
+        """A warm-up wrk run, then the measured one with each process's CPU charged over it."""
+        if spec.warmup_s:
+            run_wrk(dataclasses.replace(spec, duration_s=spec.warmup_s), self.other_cpu)
+        before, started = self._cpu_seconds(), time.perf_counter()
+        result = run_wrk(spec, self.other_cpu)
+        wall, after = time.perf_counter() - started, self._cpu_seconds()
+        return dataclasses.replace(result, busy={name: round((after[name] - before[name]) / wall, 3)
+                                                 for name in before})
+
+    def _python(self, spec: LoadSpec) -> LoadResult:
+        """The Python generator in its own process; it charges CPU over its own measured stretch."""
+        spec = dataclasses.replace(spec, watch=(("kvgate", self.kvgate.pid), ("stub", self.stub.pid)))
         command = pinned([sys.executable, "-m", "loadtest.overhead.pyclient",
                           orjson.dumps(spec.to_json()).decode()], self.other_cpu)
         done = subprocess.run(command, capture_output=True, text=True, check=True,
                               timeout=spec.warmup_s + spec.duration_s + 120)
         return LoadResult.from_json(orjson.loads(done.stdout.splitlines()[-1]))
 
-    def measure(self, spec: LoadSpec, generator: str) -> Measured:
-        """Run one load and charge each process's CPU over it."""
-        before = {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
-                  "client": children_cpu_seconds()}
-        started = time.perf_counter()
-        result = self._generate(spec, generator)
-        wall = time.perf_counter() - started
-        after = {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
-                 "client": children_cpu_seconds()}
-        return Measured(result, {name: round((after[name] - before[name]) / wall, 3) for name in before})
+    def measure(self, spec: LoadSpec, generator: str) -> LoadResult:
+        """Run one load with `generator` ("wrk" or "python")."""
+        return self._wrk(spec) if generator == "wrk" else self._python(spec)
 
     def compare(self, name: str, spec: LoadSpec, generator: str) -> Comparison:
         """The load sent to the first replica, then the same load through kvgate."""
@@ -163,7 +158,7 @@ class Rig:
         spec = dataclasses.replace(spec, url=self.gateway_url, stream=True, warmup_s=0.0)
         kvgate_before, stub_before = self.kvgate.cpu_seconds(), self.stub.cpu_seconds()
         started = time.perf_counter()
-        result = self._generate(spec, "python")
+        result = self._python(spec)
         wall = time.perf_counter() - started
         return StreamCpu(chunks=result.requests * spec.chunks, wall_s=round(wall, 3),
                          kvgate_cpu_s=round(self.kvgate.cpu_seconds() - kvgate_before, 3),
@@ -173,5 +168,5 @@ class Rig:
         """Sample kvgate with py-spy while the spec's load runs through it."""
         spec = dataclasses.replace(spec, url=self.gateway_url, warmup_s=0.0)
         recorder = Recorder(py_spy, self.kvgate.pid, spec.duration_s, output, self.other_cpu)
-        self._generate(spec, generator)
+        self.measure(spec, generator)
         return recorder.finish()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from loadtest.overhead.bodies import chat_bodies
 from loadtest.overhead.load import CHAT_PATH, LoadResult, LoadSpec
+from loadtest.overhead.processes import pinned
 
 _RESULT_PREFIX = "WRK_RESULT "
 # Cycles through the bodies file (one JSON body a line) and prints the summary as one JSON line.
@@ -47,21 +48,17 @@ def _script(spec: LoadSpec, folder: Path) -> Path:
 
 
 def run_wrk(spec: LoadSpec, cpu: int | None = None) -> LoadResult:
-    """Run wrk for the spec's closed loop (its warm-up is a separate short wrk run); `cpu` pins it."""
+    """Run wrk for `duration_s` (whole seconds, at least one) of the spec's closed loop; `cpu` pins it.
+
+    The spec's warm-up and `watch` are the caller's business: wrk knows nothing of them.
+    """
     if spec.rate or spec.max_requests:
         raise ValueError("wrk runs only duration-bound closed loops")
+    seconds = max(1, math.ceil(spec.duration_s))
     with tempfile.TemporaryDirectory(prefix="kvgate-wrk-") as tmp:
-        script = _script(spec, Path(tmp))
-        pin = ["taskset", "-c", str(cpu)] if cpu is not None else []
-
-        def wrk(seconds: float) -> str:
-            command = [*pin, "wrk", "-t1", f"-c{spec.concurrency}", f"-d{max(1, math.ceil(seconds))}s",
-                       "--timeout", "30s", "-s", str(script), spec.url + CHAT_PATH]
-            return subprocess.run(command, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
-
-        if spec.warmup_s:
-            wrk(spec.warmup_s)
-        output = wrk(spec.duration_s)
+        command = pinned(["wrk", "-t1", f"-c{spec.concurrency}", f"-d{seconds}s", "--timeout", "30s",
+                          "-s", str(_script(spec, Path(tmp))), spec.url + CHAT_PATH], cpu)
+        output = subprocess.run(command, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
     line = next((ln for ln in output.splitlines() if ln.startswith(_RESULT_PREFIX)), None)
     if line is None:
         raise RuntimeError(f"wrk printed no summary: {output[-500:]}")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence as Seq
 
 from loadtest.simulator.metrics import EngineMetrics
 from loadtest.simulator.options import SimOptions
@@ -66,9 +65,9 @@ class AsyncEngine:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def submit(self, seqs: Seq[Sequence]) -> Generation:
+    def submit(self, seqs: list[Sequence]) -> Generation:
         """Queue the sequences of one request."""
-        generation = Generation(list(seqs))
+        generation = Generation(seqs)
         for seq in generation.seqs:
             self.core.add(seq)
             self._owners[seq] = generation
@@ -113,7 +112,20 @@ class AsyncEngine:
         self._baseline_evictions = self.core.cache.evictions
         self.core.reset_prefix_cache()
 
+    @property
+    def dead(self) -> bool:
+        """Whether the engine loop has crashed (vLLM then answers /health with 503)."""
+        return self._task is not None and self._task.done()
+
     async def _run(self) -> None:
+        try:
+            await self._step_forever()
+        except Exception:
+            log.exception("sim engine loop crashed; aborting in-flight requests")
+            self.abort_all()
+            raise
+
+    async def _step_forever(self) -> None:
         loop = asyncio.get_running_loop()
         core, metrics = self.core, self._metrics
         step_start = loop.time()

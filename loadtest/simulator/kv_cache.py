@@ -45,7 +45,7 @@ class PrefixCache:
         self.evictions = 0
         self._refs: dict[int, int] = {}  # cached block hash -> running sequences referencing it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with no reference, LRU first
-        self._pinned = 0  # blocks referenced by at least one running sequence
+        self._pinned = 0  # distinct blocks referenced by at least one running sequence
 
     @property
     def pinned_blocks(self) -> int:
@@ -79,8 +79,8 @@ class PrefixCache:
         refs = self._refs[block_hash]
         if refs == 0:
             del self._evictable[block_hash]
+            self._pinned += 1  # a block shared by running sequences is counted once
         self._refs[block_hash] = refs + 1
-        self._pinned += 1
 
     def allocate(self) -> None:
         """Take one private block, evicting the least recently used cached block when none is free."""
@@ -102,12 +102,13 @@ class PrefixCache:
     def release(self, held: Sequence[int | None]) -> None:
         """Drop a sequence's references; its tail blocks become the first candidates for eviction, as in vLLM."""
         for block_hash in reversed(held):
-            self._pinned -= 1
             if block_hash is None:
+                self._pinned -= 1
                 continue
             refs = self._refs[block_hash] - 1
             self._refs[block_hash] = refs
             if refs == 0:
+                self._pinned -= 1
                 self._evictable[block_hash] = None
 
     def clear_unpinned(self) -> None:

@@ -144,7 +144,7 @@ class SimReplica:
                 self._drained.set()
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=HTTPStatus.OK)
+        return web.Response(status=HTTPStatus.SERVICE_UNAVAILABLE if self._engine.dead else HTTPStatus.OK)
 
     async def _models(self, request: web.Request) -> web.Response:
         return _json(model_list(self.options, self._created))

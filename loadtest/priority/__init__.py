@@ -1,0 +1,1 @@
+"""The priority benchmark's parts: Poisson workload, open-loop client, rows, summaries and the report."""

@@ -1,0 +1,99 @@
+"""Runs the priority benchmark: capacity probe, unloaded baseline, then each overload row on a fresh fleet."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.priority.client import measure_throughput, run_open_loop
+from loadtest.priority.rig import admission_counters, fleet, gateway, services
+from loadtest.priority.rows import ADMISSION, FIFO, ROWS
+from loadtest.priority.summary import RunResult, summarise, verdict
+from loadtest.priority.workload import poisson_arrivals, request_body
+from loadtest.simulator import SimOptions
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Fleet, load and durations of one benchmark."""
+
+    replicas: int
+    sim: SimOptions
+    max_tokens: int
+    prompt_words: int
+    capacity_warmup_s: float
+    capacity_s: float
+    unloaded_s: float
+    overload_s: float
+    rows: tuple[str, ...]
+    unloaded_fraction: float = 0.2  # of capacity, interactive only
+    overload_factor: float = 2.0  # offered load against capacity
+    batch_fraction: float = 0.7
+    seed: int = 1
+
+    @property
+    def drain_cap_s(self) -> float:
+        """How long a run waits for open requests after its last send: the backlog's drain time, with margin."""
+        return 1.5 * self.overload_s * (self.overload_factor - 1) + 10
+
+    def derived_capacity(self) -> float:
+        """Requests per second the fleet completes with every seat busy, from the simulator's timing model."""
+        sim = self.sim
+        step_s = sim.scaled(sim.decode_step_seconds + sim.decode_seconds_per_seq * sim.max_num_seqs)
+        return self.replicas * sim.max_num_seqs / (self.max_tokens * step_s)
+
+    def body_for(self, index: int) -> bytes:
+        """The body of request `index`."""
+        return request_body(self.sim.models[0], index, self.prompt_words, self.max_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plain JSON."""
+        return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s}
+
+
+async def _run(plan: Plan, url: str, key: str, title: str, rate: float, duration: float, batch_fraction: float,
+               seed: int) -> RunResult:
+    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed)
+    samples = await run_open_loop(url, arrivals, plan.body_for, plan.drain_cap_s)
+    return summarise(key, title, rate, duration, samples, await admission_counters(url))
+
+
+async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[str, Any]:
+    """Every run of the plan, in order; the report as plain JSON."""
+    seats = plan.replicas * plan.sim.max_num_seqs
+    async with fleet("capacity-sim", plan.replicas, plan.sim, log_dir) as urls:
+        capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
+        progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
+        async with gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(), log_dir) as url:
+            unloaded = await _run(plan, url, "unloaded", "cache-aware + admission control, interactive only",
+                                  plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed)
+    progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
+             f"p99 {unloaded.interactive.ttft_p99_ms} ms")
+    runs: list[RunResult] = []
+    for key in plan.rows:
+        row = ROWS[key]
+        async with services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(),
+                            log_dir) as target:
+            run = await _run(plan, target.gateway_url, key, row.title, plan.overload_factor * capacity,
+                             plan.overload_s, plan.batch_fraction, plan.seed + 1)
+        runs.append(run)
+        progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
+                 f"shed {run.batch.shed} lost {run.lost}, wall {run.wall_s} s")
+    fifo = next((run for run in runs if run.key == FIFO.key), None)
+    verdicts = [verdict(run, unloaded, fifo) for run in runs if ROWS[run.key].admission]
+    return {
+        "plan": plan.to_json(),
+        "capacity": {"measured_rps": round(capacity, 1), "derived_rps": round(plan.derived_capacity(), 1),
+                     "seats": seats},
+        "unloaded": unloaded.to_json(),
+        "runs": [run.to_json() for run in runs],
+        "verdicts": [{**dataclasses.asdict(v), "passed": v.passed} for v in verdicts],
+    }

@@ -1,0 +1,85 @@
+"""The overhead benchmark: a quick run end to end, and its profile summary, docs splicing and wrk adaptor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.overhead.load import LoadSpec
+from loadtest.overhead.processes import Service, free_port
+from loadtest.overhead.profile import OUTSIDE_KVGATE, summarize
+from loadtest.overhead.report import END_MARKER, START_MARKER, write_docs_section
+from loadtest.overhead.wrk import run_wrk, wrk_available
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW_NAMES = [
+    "4 KB chat, non-streaming, 32 concurrent",
+    "4 KB chat, non-streaming, 128 concurrent",
+    "4 KB chat, streamed (16 chunks), 32 concurrent",
+    "4 KB chat, streamed (16 chunks), 128 concurrent",
+    "4 KB chat, open loop 500 req/s",
+    "4 KB chat, one at a time",
+    "200 KB chat, one at a time",
+]
+
+
+def test_quick_run_reports_every_row_with_plausible_numbers(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkept\n<!-- bench:other:end -->\n")
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-m", "loadtest.bench_overhead", "--quick", "--client", "python", "--no-profile",
+                    "--out", str(out), "--docs", str(docs)], cwd=ROOT, check=True, timeout=90, capture_output=True)
+
+    report = json.loads((out / "overhead.json").read_text())
+    assert [row["name"] for row in report["rows"]] == ROW_NAMES
+    for row in report["rows"]:
+        direct, kvgate = row["direct"], row["kvgate"]
+        assert direct["errors"] == kvgate["errors"] == 0, row
+        for run in (direct, kvgate):
+            assert run["requests"] > 0 and run["rps"] > 0, row
+            assert 0 < run["p50_ms"] <= run["p99_ms"] < 5000, row
+        # A proxy hop cannot make the same stub answer several times faster.
+        assert kvgate["rps"] < 3 * direct["rps"] and kvgate["p50_ms"] > direct["p50_ms"] / 3, row
+    cpu = report["stream_cpu"]
+    assert cpu["errors"] == 0 and cpu["chunks"] > 0 and cpu["kvgate_cpu_s"] > 0 and cpu["stub_cpu_s"] > 0
+
+    text = docs.read_text()
+    assert "kept" in text and text.count(START_MARKER) == 1 and text.count(END_MARKER) == 1
+    assert "| 200 KB chat, one at a time |" in text and "What limits the result" in text
+    assert (out / "overhead.md").read_text() in text
+
+
+def test_docs_section_is_replaced_not_duplicated(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    write_docs_section(docs, "first\n")
+    write_docs_section(docs, "second\n")
+    assert docs.read_text() == f"{START_MARKER}\nsecond\n{END_MARKER}\n"
+
+
+def test_profile_charges_each_sample_to_its_deepest_kvgate_function() -> None:
+    raw = "\n".join([
+        "main (router/cli.py);Forwarder._open (router/proxy.py);ClientSession._request (aiohttp/client.py) 6",
+        "main (router/cli.py);Handlers.inference (router/handlers.py);parse_request (router/requests.py) 3",
+        "main (router/cli.py);Runner.run (asyncio/runners.py) 1",
+    ])
+    profile = summarize(raw)
+    assert profile.samples == 10
+    assert profile.top_self[0] == ("ClientSession._request (aiohttp/client.py)", 0.6)
+    assert profile.top_kvgate == [("Forwarder._open (router/proxy.py)", 0.6),
+                                  ("parse_request (router/requests.py)", 0.3), (OUTSIDE_KVGATE, 0.1)]
+
+
+@pytest.mark.skipif(not wrk_available(), reason="wrk is not installed")
+def test_wrk_adaptor_reads_wrk_summary_from_a_stub() -> None:
+    port = free_port()
+    stub = Service("stub", [sys.executable, "-m", "loadtest.overhead.stub", "--ports", str(port)], cpu=None)
+    try:
+        stub.wait_ready(f"http://127.0.0.1:{port}/v1/models")
+        result = run_wrk(LoadSpec(url=f"http://127.0.0.1:{port}", stream=True, concurrency=4, duration_s=1))
+    finally:
+        stub.stop()
+    assert result.errors == 0 and result.requests > 10 and 0 < result.p50_ms <= result.p99_ms
