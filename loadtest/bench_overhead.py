@@ -43,10 +43,13 @@ class Plan:
     large_requests: int
     stream_cpu_s: float
     profile_s: float  # 0: no profile
+    repeats: int  # direct/kvgate pairs per row; each side keeps its least disturbed run
 
 
-FULL = Plan(closed_s=5, warmup_s=1, open_s=10, serial_requests=300, large_requests=100, stream_cpu_s=8, profile_s=5)
-QUICK = Plan(closed_s=0.7, warmup_s=0.2, open_s=1, serial_requests=40, large_requests=15, stream_cpu_s=1, profile_s=0)
+FULL = Plan(closed_s=3, warmup_s=1, open_s=6, serial_requests=300, large_requests=100, stream_cpu_s=8, profile_s=5,
+            repeats=2)
+QUICK = Plan(closed_s=0.7, warmup_s=0.2, open_s=1, serial_requests=40, large_requests=15, stream_cpu_s=1, profile_s=0,
+             repeats=1)
 
 
 def comparison_specs(plan: Plan) -> list[tuple[str, LoadSpec, bool]]:
@@ -89,7 +92,7 @@ def run_benchmark(plan: Plan, generator: str, quick: bool, profile: bool, scratc
     load_before = os.getloadavg()[0]
     rig = Rig(replicas=REPLICAS, policy=POLICY)
     try:
-        rows = [rig.compare(name, spec, generator if closed else "python").to_json()
+        rows = [rig.compare(name, spec, generator if closed else "python", plan.repeats).to_json()
                 for name, spec, closed in comparison_specs(plan)]
         stream_cpu = rig.stream_cpu(stream_cpu_spec(plan)).to_json()
         profiles: dict[str, Any] = {}
@@ -105,7 +108,7 @@ def run_benchmark(plan: Plan, generator: str, quick: bool, profile: bool, scratc
                 "cpus": os.cpu_count(), "pinning": rig.pinning(), "replicas": REPLICAS, "policy": POLICY,
                 "body_bytes": BODY_BYTES, "variants": LoadSpec(url="").variants, "closed_loop_generator": generator,
                 "python": platform.python_version(), "aiohttp": aiohttp.__version__,
-                "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+                "repeats": plan.repeats, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
     finally:
         rig.close()
     return {"meta": meta, "rows": rows, "stream_cpu": stream_cpu, "profiles": profiles}

@@ -8,7 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime
 import logging
+import os
+import shlex
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -59,6 +62,20 @@ def plan_from_args(ns: argparse.Namespace) -> Plan:
     return plan
 
 
+def _shown_args(args: Sequence[str]) -> list[str]:
+    """The flags that shape the results (not where outputs go)."""
+    shown: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in ("--docs", "--json", "--log-dir"):
+            skip = True
+        elif not arg.startswith(("--docs=", "--json=", "--log-dir=")):
+            shown.append(arg)
+    return shown
+
+
 async def _main(plan: Plan, log_dir: Path | None) -> dict:
     if log_dir is not None:
         return await run_benchmark(plan, log_dir, print)
@@ -68,14 +85,19 @@ async def _main(plan: Plan, log_dir: Path | None) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the markdown report, and write it where the flags say."""
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     plan = plan_from_args(ns)
+    load_before = os.getloadavg()[0]
     try:
         report = asyncio.run(_main(plan, ns.log_dir))
     except ProcessError as exc:
         print(f"bench_priority: {exc}", file=sys.stderr)
         return 1
+    report["meta"] = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
+                      "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+                      "command": shlex.join(["python", "-m", "loadtest.bench_priority", *_shown_args(args)])}
     markdown = render_markdown(report)
     print(markdown)
     if ns.json:

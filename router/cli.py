@@ -34,6 +34,10 @@ _HELP = {
     "log_level": "debug, info, warning or error",
     "upstream_priority": "set vLLM's request priority from the class (replicas run --scheduling-policy priority)",
     "api_keys_file": "YAML file of API keys; requests then need Authorization: Bearer KEY",
+    "max_connections": "open client connections per listener; past it new ones get a 503",
+    "header_timeout": "seconds a client has to send a complete request head",
+    "body_timeout": "longest silence in seconds while a request body arrives (then 408)",
+    "keepalive_timeout": "seconds an idle client connection is kept open",
 }
 
 

@@ -51,6 +51,10 @@ class GatewayConfig:
     log_level: str = "info"
     api_keys_file: str | None = None  # YAML of API keys; off when unset (see docs/security.md)
     upstream_priority: bool = False  # set vLLM's `priority` from the class (replicas run --scheduling-policy priority)
+    max_connections: int = 10000  # open client connections per listener; past it a new one gets a 503
+    header_timeout: float = 30.0  # seconds a client has to send a request head, from connecting or its first byte
+    body_timeout: float = 30.0  # longest silence while a request body arrives; then 408
+    keepalive_timeout: float = 3630.0  # idle client connections close; above Envoy's 1 h upstream idle timeout
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     priorities: PriorityConfig = field(default_factory=PriorityConfig)
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)
@@ -211,7 +215,8 @@ def validate(config: GatewayConfig) -> None:
     if config.policy not in POLICY_NAMES:
         raise ConfigError(f"policy: {config.policy!r} is not one of {', '.join(POLICY_NAMES)}")
     positive = ("connect_timeout", "idle_timeout", "scrape_interval", "scrape_timeout", "models_refresh",
-                "watch_read_timeout", "max_body_bytes")
+                "watch_read_timeout", "max_body_bytes", "max_connections", "header_timeout", "body_timeout",
+                "keepalive_timeout")
     for name in positive:
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name}: must be greater than 0, got {getattr(config, name)}")

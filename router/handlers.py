@@ -114,7 +114,11 @@ class Handlers:
     async def readyz(self, request: web.Request) -> web.Response:
         """Readiness: 200 while not draining and at least one replica is routable."""
         ready, reason = self.gateway.ready()
-        return json_response({"status": "ok" if ready else "unavailable", "reason": reason},
+        discovery = self.gateway.discovery.status
+        # An unreachable API server does not fail readiness: the last known replicas keep serving.
+        return json_response({"status": "ok" if ready else "unavailable", "reason": reason,
+                              "discovery": {"healthy": discovery.healthy, "synced": discovery.synced,
+                                            "detail": discovery.detail}},
                              status=200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -7,6 +7,7 @@ import logging
 import resource
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
@@ -72,7 +73,7 @@ class ConnectionGuard:
 class GuardedRequestHandler(web.RequestHandler):
     """aiohttp's HTTP/1.1 server protocol with head and body read timeouts and OpenAI-style parse errors."""
 
-    __slots__ = ("_guard", "_limits", "_head_timer", "_body", "_body_deadline", "_body_timer")
+    __slots__ = ("_guard", "_limits", "_head_timer", "_body", "_body_deadline", "_body_timer", "_closing")
 
     def __init__(self, guard: ConnectionGuard) -> None:
         limits = guard.limits
@@ -85,6 +86,7 @@ class GuardedRequestHandler(web.RequestHandler):
         self._body: StreamReader | None = None  # the body the newest request is still sending
         self._body_deadline = 0.0
         self._body_timer: asyncio.TimerHandle | None = None
+        self._closing = False  # answered already; whatever else the client sends is ignored
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -105,10 +107,16 @@ class GuardedRequestHandler(web.RequestHandler):
         # aiohttp counts each request head it parses in _request_count and queues it in _messages.
         heads_before = self._request_count
         super().data_received(data)
+        if self._closing:
+            return
         if self._request_count != heads_before:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
+            if was_reading_body:
+                # A head cannot follow an unfinished body: aiohttp queued its parse error as the next request
+                # while the handler still waits for the body. Fail that wait so the handler answers now.
+                self._body.set_exception(RequestPayloadError("the request body is malformed"))
             self._body = self._messages[-1][1]
         elif data and not was_reading_body:
             self._start_head_timer()  # these bytes begin the next request head
@@ -116,18 +124,6 @@ class GuardedRequestHandler(web.RequestHandler):
             self._extend_body_deadline()
         else:
             self._body = None
-
-    def pause_reading(self) -> None:
-        super().pause_reading()
-        # The handler has not read what came yet; a silence now is not the client's.
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-
-    def resume_reading(self) -> None:
-        super().resume_reading()
-        if self._reading_body():
-            self._extend_body_deadline()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -145,6 +141,14 @@ class GuardedRequestHandler(web.RequestHandler):
         response = error_response(GatewayError(status, message))
         response.force_close()
         return response
+
+    def log_exception(self, *args: Any, **kwargs: Any) -> None:
+        """Log an unexpected failure with its traceback; a malformed body is expected, so one line."""
+        failure = kwargs.get("exc_info")
+        if isinstance(failure, (HttpProcessingError, RequestPayloadError)):
+            log.info("malformed request body; closing peer=%s reason=%s", self.peername, _malformed(failure)[1])
+            return
+        super().log_exception(*args, **kwargs)
 
     def _reading_body(self) -> bool:
         return self._body is not None and not self._body.is_eof()
@@ -168,12 +172,17 @@ class GuardedRequestHandler(web.RequestHandler):
         self._body_timer = None
         if not self._reading_body():
             return
+        if self.transport is not None and not self.transport.is_reading():
+            # Flow control paused reading because the handler has not read what came: not the client's silence.
+            self._extend_body_deadline()
+            return
         if self._loop.time() < self._body_deadline:  # data came since the timer was set
             self._body_timer = self._loop.call_at(self._body_deadline, self._body_timed_out)
             return
         body, self._body = self._body, None
         timeout = self._limits.body_timeout
         log.info("request body stalled; closing peer=%s timeout_s=%g", self.peername, timeout)
+        self._closing = True
         self.close()  # read nothing more; the connection closes once the handler has answered
         body.set_exception(BodyReadTimeout(timeout))
 
@@ -195,6 +204,7 @@ def _malformed(exc: Exception) -> tuple[int, str]:
 
 
 def _refusal_bytes() -> bytes:
+    """The whole 503 response a connection over the limit gets, written before any request is read."""
     body = error_body(503, "the gateway has too many open connections; retry shortly")
     head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
             "Retry-After: 1\r\nConnection: close\r\n\r\n")
@@ -239,10 +249,10 @@ class _Refusal(asyncio.Protocol):
             self._guard.refusing -= 1
 
 
-def raise_open_file_limit(max_connections: int, listeners: int) -> None:
-    """Raise this process's open-file limit to fit the connections the listeners may hold; warn if it cannot."""
-    # Per listener: served and refused client sockets; per served one, an upstream socket; plus a margin.
-    needed = listeners * 3 * max_connections + 1024
+def raise_open_file_limit(max_connections: int) -> None:
+    """Raise this process's open-file limit to fit max_connections; warn when the hard limit forbids it."""
+    # Each served client socket may hold an upstream socket, and refused ones linger briefly: about 3 each.
+    needed = 3 * max_connections + 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return

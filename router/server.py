@@ -14,16 +14,12 @@ from router.auth import auth_middleware
 from router.errors import GatewayError, error_response
 from router.gateway import Gateway
 from router.handlers import Handlers
+from router.limits import ConnectionGuard, ConnectionLimits, raise_open_file_limit
 from router.requests import ROUTE_KINDS
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-# Per-connection limits of aiohttp's HTTP parser (a request line or header over them gets a 400/431).
-_MAX_LINE = 8190
-_MAX_FIELD = 16384
-_MAX_HEADERS = 128
 
 
 @web.middleware
@@ -69,6 +65,8 @@ class GatewayServer:
         self.gateway = gateway
         self._stop = asyncio.Event()
         self._runners: list[web.AppRunner] = []
+        self._listeners: list[asyncio.Server] = []
+        self.guards: list[ConnectionGuard] = []  # each listener's open-connection count and limits, public first
         self.addresses: list[tuple[str, int]] = []  # bound (host, port) of each listener, public first
 
     async def start(self) -> None:
@@ -77,15 +75,20 @@ class GatewayServer:
         listeners = [(app, self.config.listen_address)]
         if admin is not None and self.config.admin_address is not None:
             listeners.append((admin, self.config.admin_address))
+        limits = ConnectionLimits.from_config(self.config)
+        raise_open_file_limit(limits.max_connections)
+        loop = asyncio.get_running_loop()
         for application, (host, port) in listeners:
-            runner = web.AppRunner(application, handle_signals=False, access_log=None, handler_cancellation=True,
-                                   shutdown_timeout=self.config.drain_timeout, max_line_size=_MAX_LINE,
-                                   max_field_size=_MAX_FIELD, max_headers=_MAX_HEADERS)
+            runner = web.AppRunner(application, handle_signals=False, handler_cancellation=True,
+                                   shutdown_timeout=self.config.drain_timeout)
             await runner.setup()
-            site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
-            await site.start()
             self._runners.append(runner)
-            self.addresses.append(tuple(runner.addresses[0][:2]))
+            # The guard, not a TCPSite, makes each connection's protocol: it caps them and times their reads.
+            guard = ConnectionGuard(runner.server, limits)
+            listener = await loop.create_server(guard, host, port, backlog=1024, reuse_address=True)
+            self.guards.append(guard)
+            self._listeners.append(listener)
+            self.addresses.append(tuple(listener.sockets[0].getsockname()[:2]))
         log.info("gateway listening addresses=%s policy=%s discovery=%s", self.addresses, self.config.policy,
                  self.config.discovery)
 
@@ -112,6 +115,8 @@ class GatewayServer:
         log.info("draining delay_s=%s timeout_s=%s", self.config.drain_delay, self.config.drain_timeout)
         await asyncio.sleep(self.config.drain_delay)
         # Closing the listeners first, then waiting up to shutdown_timeout for running handlers.
+        for listener in self._listeners:
+            listener.close()
         for runner in self._runners:
             await runner.cleanup()
         log.info("drained; exiting")

@@ -28,8 +28,13 @@ class RunningGateway:
 
 
 @asynccontextmanager
-async def running_gateway(discovery: Discovery | None = None, **settings: Any) -> AsyncIterator[RunningGateway]:
-    """Run a gateway on 127.0.0.1 with `settings` (drain delay 0 unless given) until the block exits."""
+async def running_gateway(discovery: Discovery | str | None = None, **settings: Any) -> AsyncIterator[RunningGateway]:
+    """Run a gateway on 127.0.0.1 with `settings` (drain delay 0 unless given) until the block exits.
+
+    `discovery` is a Discovery object to use, or the name of the configured kind ("static", "kubernetes").
+    """
+    if isinstance(discovery, str):
+        settings["discovery"], discovery = discovery, None
     config = build_config({"listen": "127.0.0.1:0", "drain_delay": 0, "drain_timeout": 5, **settings})
     server = GatewayServer(config, Gateway(config, discovery or default_discovery(config)))
     await server.start()

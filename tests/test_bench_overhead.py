@@ -41,7 +41,7 @@ def test_quick_run_reports_every_row_with_plausible_numbers(tmp_path: Path) -> N
         assert direct["errors"] == kvgate["errors"] == 0, row
         for run in (direct, kvgate):
             assert run["requests"] > 0 and run["rps"] > 0, row
-            assert 0 < run["p50_ms"] <= run["p99_ms"] < 5000, row
+            assert 0 < run["p50_ms"] <= run["p99_ms"], row
         # A proxy hop cannot make the same stub answer several times faster.
         assert kvgate["rps"] < 3 * direct["rps"] and kvgate["p50_ms"] > direct["p50_ms"] / 3, row
     cpu = report["stream_cpu"]

@@ -64,7 +64,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"on {meta['cpus']} CPUs ({meta['pinning']}). Replicas are instant stubs "
         f"(`loadtest/overhead/stub.py`), {meta['replicas']} in one process; direct runs hit the first one, "
         f"kvgate (`--policy {meta['policy']}`) spreads over all. Each direct run is followed at once by the same "
-        f"load through kvgate; bodies are {meta['body_bytes']} B chat requests, {meta['variants']} distinct prompts. "
+        f"load through kvgate ({meta['repeats']} pairs per row, each side keeps its least disturbed run); bodies are {meta['body_bytes']} B chat requests, {meta['variants']} distinct prompts. "
         f"1-minute load average before/after: {meta['loadavg_1m'][0]}/{meta['loadavg_1m'][1]} (the machine is shared).",
         "",
         *_comparison_table(report["rows"]),

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loadtest.priority.client import measure_throughput, run_open_loop
-from loadtest.priority.rig import admission_counters, fleet, gateway, services
+from loadtest.priority.probe import QueueProbe
+from loadtest.priority.rig import Services, admission_counters, fleet, gateway, services
 from loadtest.priority.rows import ADMISSION, FIFO, ROWS
 from loadtest.priority.summary import RunResult, summarise, verdict
 from loadtest.priority.workload import poisson_arrivals, request_body
 from loadtest.simulator import SimOptions
 
-log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 
@@ -59,11 +59,20 @@ class Plan:
         return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s}
 
 
-async def _run(plan: Plan, url: str, key: str, title: str, rate: float, duration: float, batch_fraction: float,
-               seed: int) -> RunResult:
+async def _run(plan: Plan, target: Services, key: str, title: str, rate: float, duration: float,
+               batch_fraction: float, seed: int) -> RunResult:
+    """One open-loop run against `target`, its queues sampled while the load is on."""
     arrivals = poisson_arrivals(rate, duration, batch_fraction, seed)
-    samples = await run_open_loop(url, arrivals, plan.body_for, plan.drain_cap_s)
-    return summarise(key, title, rate, duration, samples, await admission_counters(url))
+    probe = QueueProbe(target.gateway_url, target.replica_urls)
+    probing = asyncio.create_task(probe.run())
+    asyncio.get_running_loop().call_later(duration, probing.cancel)
+    try:
+        samples = await run_open_loop(target.gateway_url, arrivals, plan.body_for, plan.drain_cap_s)
+    finally:
+        probing.cancel()
+        await asyncio.gather(probing, return_exceptions=True)
+    counters = await admission_counters(target.gateway_url)
+    return summarise(key, title, rate, duration, samples, probe.summary(), counters)
 
 
 async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -72,21 +81,22 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[s
     async with fleet("capacity-sim", plan.replicas, plan.sim, log_dir) as urls:
         capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
         progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
-        async with gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(), log_dir) as url:
-            unloaded = await _run(plan, url, "unloaded", "cache-aware + admission control, interactive only",
+        async with gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as url:
+            unloaded = await _run(plan, Services(url, urls), "unloaded", "cache-aware + admission control, interactive only",
                                   plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed)
     progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
              f"p99 {unloaded.interactive.ttft_p99_ms} ms")
     runs: list[RunResult] = []
     for key in plan.rows:
         row = ROWS[key]
-        async with services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(),
+        async with services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(plan.sim),
                             log_dir) as target:
-            run = await _run(plan, target.gateway_url, key, row.title, plan.overload_factor * capacity,
+            run = await _run(plan, target, key, row.title, plan.overload_factor * capacity,
                              plan.overload_s, plan.batch_fraction, plan.seed + 1)
         runs.append(run)
         progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
-                 f"shed {run.batch.shed} lost {run.lost}, wall {run.wall_s} s")
+                 f"shed {run.batch.shed} lost {run.lost}, wall {run.wall_s} s, replica queue mean "
+                 f"{run.queues.replica_waiting_mean}")
     fifo = next((run for run in runs if run.key == FIFO.key), None)
     verdicts = [verdict(run, unloaded, fifo) for run in runs if ROWS[run.key].admission]
     return {

@@ -20,15 +20,15 @@ class RowSpec:
     policy: str = "cache-aware"
     admission: bool = True
     upstream_priority: bool = False  # kvgate sets vLLM's `priority`; the replicas order their queue by it
-    saturation_queue: int | None = None  # None: kvgate's default
+    bound_in_flight: bool = False  # saturated at max_num_seqs requests in flight per replica, whatever scrapes say
 
-    def gateway_flags(self) -> list[str]:
-        """`kvgate serve` flags of this row, besides listen address and endpoints."""
+    def gateway_flags(self, sim: SimOptions) -> list[str]:
+        """`kvgate serve` flags of this row in front of replicas run with `sim`, besides listen and endpoints."""
         flags = ["--policy", self.policy]
         if not self.admission:
             flags += NO_ADMISSION_FLAGS
-        elif self.saturation_queue is not None:
-            flags += ["--saturation-queue", str(self.saturation_queue)]
+        elif self.bound_in_flight:
+            flags += ["--saturation-in-flight", str(sim.max_num_seqs)]
         if self.upstream_priority:
             flags += ["--upstream-priority", "true"]
         return flags
@@ -42,6 +42,7 @@ ADMISSION = RowSpec("a", "cache-aware + admission control")
 FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False)
 ROUND_ROBIN_FIFO = RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False)
 UPSTREAM_PRIORITY = RowSpec("d", "cache-aware + admission control + upstream priority", upstream_priority=True)
-SHALLOW_QUEUE = RowSpec("e", "as (d), saturated at 1 waiting per replica", upstream_priority=True, saturation_queue=1)
+BOUNDED_IN_FLIGHT = RowSpec("e", "as (d), and at most max_num_seqs in flight per replica", upstream_priority=True,
+                            bound_in_flight=True)
 
-ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SHALLOW_QUEUE)}
+ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, BOUNDED_IN_FLIGHT)}

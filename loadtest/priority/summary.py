@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from loadtest.overhead.load import percentile_ms
 from loadtest.priority.client import Outcome, Sample
+from loadtest.priority.probe import QueueSummary
 from loadtest.priority.workload import BATCH, INTERACTIVE
 
 TTFT_RATIO_LIMIT = 2.0  # interactive TTFT p99 under overload against unloaded: the target
@@ -52,6 +53,7 @@ class RunResult:
     interactive: ClassStats
     batch: ClassStats
     send_lag_p99_ms: float  # how far the generator fell behind its schedule
+    queues: QueueSummary
     gateway: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -70,14 +72,14 @@ class RunResult:
 
 
 def summarise(key: str, title: str, offered_rps: float, duration_s: float, samples: Sequence[Sample],
-              gateway: dict[str, float]) -> RunResult:
+              queues: QueueSummary, gateway: dict[str, float]) -> RunResult:
     """Build a run's result from its samples."""
     ends = [s.finished_at for s in samples if s.finished_at is not None]
     return RunResult(
         key, title, round(offered_rps, 1), duration_s, round(max(ends, default=duration_s), 2),
         ClassStats.of([s for s in samples if s.priority == INTERACTIVE]),
         ClassStats.of([s for s in samples if s.priority == BATCH]),
-        round(percentile_ms([s.lag for s in samples], 99), 1), gateway,
+        round(percentile_ms([s.lag for s in samples], 99), 1), queues, gateway,
     )
 
 
