@@ -72,7 +72,8 @@ def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
     if not state.metrics.stale:
         if state.metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
-        room = max(0.0, limits.queue - state.metrics.waiting)
+        if limits.queue:
+            room = max(0.0, limits.queue - state.metrics.waiting)
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
     return room

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import re
-import uuid
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -14,6 +15,9 @@ HOP_BY_HOP = frozenset({
 # Set by the gateway's own HTTP stack for each hop, never copied.
 _PER_HOP = frozenset({"host", "content-length", "expect", "date", "server"})
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+# A random per-process prefix and a counter: unique like uuid4, without its cost on every request.
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
 
 
 def _dropped(headers: CIMultiDictProxy[str]) -> frozenset[str]:
@@ -36,4 +40,4 @@ def forwardable(headers: CIMultiDictProxy[str], extra_dropped: frozenset[str] = 
 def request_id(headers: CIMultiDictProxy[str]) -> str:
     """The client's x-request-id when it is a sane token, else a fresh one."""
     given = headers.get("x-request-id", "")
-    return given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+    return given if _REQUEST_ID.fullmatch(given) else f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"

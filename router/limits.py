@@ -23,8 +23,10 @@ log = logging.getLogger(__name__)
 MAX_LINE_BYTES = 8190
 MAX_FIELD_BYTES = 16384
 MAX_HEADERS = 128
-# How long a refused connection may take to read its 503 before it is closed anyway.
+# How long a refused connection may take to read its 503 before it is closed anyway, and how many may wait
+# so at once (at least this many, at most max_connections) before further ones are dropped unanswered.
 _REFUSAL_LINGER_S = 1.0
+_REFUSALS_AT_ONCE = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +225,7 @@ class _Refusal(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
-        if self._guard.refusing >= self._guard.limits.max_connections:
+        if self._guard.refusing >= max(self._guard.limits.max_connections, _REFUSALS_AT_ONCE):
             self._guard = None
             transport.abort()  # a flood: even answers would pile up, so drop without one
             return

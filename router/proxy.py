@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # vLLM answers this while shutting down: the request provably did not start, so another replica may take it.
 _VLLM_SHUTDOWN_BODY = b"Server is unavailable"
 _SSE = "text/event-stream"
+_WHOLE_BODY_LIMIT = 1024 * 1024  # plain answers up to this size are relayed in one write
 CLIENT_GONE = 499  # nginx's code for "client closed the request"; used in logs and metrics only
 
 
@@ -157,6 +158,21 @@ class Forwarder:
                      outcome: Outcome) -> web.StreamResponse:
         """Write the replica's status, headers and body to the client as they arrive."""
         is_sse = upstream.content_type == _SSE
+        length = upstream.content_length
+        if not is_sse and prefetched is None and length is not None and length <= _WHOLE_BODY_LIMIT:
+            # A small plain answer goes out in one write: status, headers and body together.
+            try:
+                prefetched = await upstream.read()
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                self._metrics.upstream_errors.labels("stream_broken", outcome.replica).inc()
+                self._fleet.health.failure(outcome.replica, "stream_broken")
+                raise GatewayError(502, "the replica failed while sending its answer") from None
+            outcome.ttfb = time.monotonic() - outcome.arrived
+            outcome.status = upstream.status
+            response = web.Response(status=upstream.status, reason=upstream.reason, body=prefetched,
+                                    headers=forwardable(upstream.headers))
+            response.headers["x-request-id"] = outcome.request_id
+            return response
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                       headers=forwardable(upstream.headers))
         response.headers["x-request-id"] = outcome.request_id

@@ -97,8 +97,11 @@ async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body:
 async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float) -> list[Sample]:
     """Send every arrival on schedule, then wait at most `drain_cap` seconds for the ones still open.
 
-    Requests still open at the cap are cancelled and count as lost; the samples keep the arrivals' order.
+    Requests still open at the cap (unanswered or mid-stream) are cancelled and count as lost; the samples keep
+    the arrivals' order.
     """
+    if not arrivals:
+        return []
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=_SESSION_TIMEOUT) as session:
@@ -107,9 +110,8 @@ async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor
         for arrival in arrivals:
             await asyncio.sleep(max(0.0, run_start + arrival.at - loop.time()))
             tasks.append(asyncio.create_task(send(session, url, arrival, body_for(arrival.index), run_start)))
-        schedule_end = run_start + (arrivals[-1].at if arrivals else 0.0)
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, schedule_end + drain_cap - loop.time())) \
-            if tasks else (set(), set())
+        drain_end = run_start + arrivals[-1].at + drain_cap
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, drain_end - loop.time()))
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,133 @@
+"""The priority benchmark: a tiny full run answers every request, and admission control beats FIFO for interactive."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from loadtest.priority.client import Outcome, run_open_loop
+from loadtest.priority.report import write_docs_section
+from loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, poisson_arrivals
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
+    """One tiny run of the whole benchmark as its command: the JSON report and the docs file it wrote."""
+    out = tmp_path_factory.mktemp("bench-priority")
+    docs = out / "benchmarks.md"
+    docs.write_text("# Benchmarks\n\n<!-- bench:routing:start -->\nrouting table\n<!-- bench:routing:end -->\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_priority", *TINY, "--json", str(out / "report.json"),
+         "--docs", str(docs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return orjson.loads((out / "report.json").read_bytes()), docs.read_text()
+
+
+def test_quick_run_answers_every_request(quick_run: tuple[dict[str, Any], str]) -> None:
+    report, _ = quick_run
+    for run in [report["unloaded"], *report["runs"]]:
+        for name in ("interactive", "batch"):
+            stats = run[name]
+            assert stats["lost"] == 0, (run["key"], name, stats)
+            assert stats["ok"] + stats["shed"] + stats["errors"] == stats["sent"]
+    assert report["unloaded"]["interactive"]["ok"] > 0
+    assert all(run["batch"]["ok"] > 0 for run in report["runs"])
+
+
+def test_report_has_the_unloaded_run_and_every_requested_row(quick_run: tuple[dict[str, Any], str]) -> None:
+    report, docs = quick_run
+    assert [run["key"] for run in report["runs"]] == ["a", "b", "c"]
+    assert report["capacity"]["measured_rps"] > 0
+    assert [v["key"] for v in report["verdicts"]] == ["a"]  # only rows with admission control are judged
+    for row in ("| unloaded ", "| (a) ", "| (b) ", "| (c) "):
+        assert row in docs
+    assert "routing table" in docs  # another benchmark's section survives
+
+
+def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(
+        quick_run: tuple[dict[str, Any], str]) -> None:
+    report, _ = quick_run
+    runs = {run["key"]: run for run in report["runs"]}
+    assert runs["a"]["interactive"]["ttft_p99_ms"] < runs["b"]["interactive"]["ttft_p99_ms"]
+    assert runs["a"]["queues"]["gateway_queue_max"] > 0  # the fleet was saturated: requests waited in kvgate
+    assert runs["b"]["queues"]["gateway_queue_max"] == 0
+
+
+def test_docs_section_is_replaced_in_place_and_other_sections_are_kept(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("intro\n<!-- bench:priority:start -->\nold\n<!-- bench:priority:end -->\noutro\n")
+    write_docs_section(docs, "new\n")
+    write_docs_section(docs, "newer\n")
+    assert docs.read_text() == "intro\n<!-- bench:priority:start -->\nnewer\n<!-- bench:priority:end -->\noutro\n"
+    fresh = tmp_path / "missing" / "benchmarks.md"
+    write_docs_section(fresh, "first\n")
+    assert fresh.read_text() == "<!-- bench:priority:start -->\nfirst\n<!-- bench:priority:end -->\n"
+
+
+def test_poisson_schedule_stays_in_its_window_and_mixes_classes() -> None:
+    arrivals = poisson_arrivals(rate=200.0, duration=5.0, batch_fraction=0.7, seed=3)
+    assert 850 < len(arrivals) < 1150
+    assert all(0 <= a.at < 5.0 for a in arrivals)
+    assert [a.at for a in arrivals] == sorted(a.at for a in arrivals)
+    batch = sum(1 for a in arrivals if a.priority == BATCH) / len(arrivals)
+    assert 0.65 < batch < 0.75
+    assert arrivals == poisson_arrivals(rate=200.0, duration=5.0, batch_fraction=0.7, seed=3)
+
+
+async def _shed(request: web.Request) -> web.Response:
+    return web.json_response({"error": {"message": "saturated"}}, status=429, headers={"Retry-After": "2"})
+
+
+async def _truncated_stream(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+    return response  # no [DONE]
+
+
+async def _silent(request: web.Request) -> web.StreamResponse:
+    await asyncio.sleep(30)
+    return web.Response()
+
+
+@pytest.fixture
+async def odd_server() -> AsyncIterator[str]:
+    """A server that answers by the request's class: 429 for batch, a stream cut short or silence for interactive."""
+    async def route(request: web.Request) -> web.StreamResponse:
+        if request.headers["x-priority"] == BATCH:
+            return await _shed(request)
+        body = await request.json()
+        return await (_silent(request) if body["silent"] else _truncated_stream(request))
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", route)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    await runner.cleanup()
+
+
+async def test_client_tells_shed_broken_and_unanswered_requests_apart(odd_server: str) -> None:
+    arrivals = [Arrival(0, 0.0, BATCH), Arrival(1, 0.01, INTERACTIVE), Arrival(2, 0.02, INTERACTIVE)]
+    samples = await run_open_loop(odd_server, arrivals, lambda index: orjson.dumps({"silent": index == 2}),
+                                  drain_cap=0.5)
+    shed, broken, unanswered = samples
+    assert (shed.outcome, shed.retry_after) == (Outcome.SHED, "2")
+    assert broken.outcome is Outcome.ERROR and broken.ttft is not None
+    assert "without [DONE]" in broken.detail
+    assert unanswered.outcome is Outcome.LOST
