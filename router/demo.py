@@ -24,7 +24,8 @@ async def run_demo(listen: str, replicas: int, policy: str) -> None:
     options = SimOptions()
     fleet = await SimFleet.start([0] * replicas, options)
     try:
-        config = build_config({"listen": listen, "endpoints": fleet.urls, "policy": policy, "drain_delay": 0})
+        config = build_config({"listen": listen, "endpoints": fleet.urls, "policy": policy, "drain_delay": 0,
+                               "max_connections": 1000})
         server = GatewayServer(config, Gateway(config, default_discovery(config)))
         await server.start()
         host, port = server.addresses[0]

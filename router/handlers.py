@@ -8,6 +8,8 @@ import time
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.auth import KEY_INFO
@@ -86,6 +88,8 @@ class Handlers:
             return await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise GatewayError(413, f"request body exceeds the limit of {limit} bytes") from None
+        except (RequestPayloadError, HttpProcessingError):
+            raise GatewayError(400, "the request body is malformed") from None
 
     def _finish(self, request: web.Request, model: str, outcome: Outcome) -> None:
         """Record the request's metrics and write its one log line."""

@@ -24,7 +24,7 @@ MAX_LINE_BYTES = 8190
 MAX_FIELD_BYTES = 16384
 MAX_HEADERS = 128
 # How long a refused connection may take to read its 503 before it is closed anyway, and how many may wait
-# so at once (at least this many, at most max_connections) before further ones are dropped unanswered.
+# so at once (max_connections, but at least this many) before further ones are dropped unanswered.
 _REFUSAL_LINGER_S = 1.0
 _REFUSALS_AT_ONCE = 1024
 
@@ -144,6 +144,13 @@ class GuardedRequestHandler(web.RequestHandler):
         response.force_close()
         return response
 
+    async def finish_response(self, request: web.BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        """Send a response; an HTTP error aiohttp raised outside the middlewares (an unknown Expect) goes as JSON."""
+        if isinstance(resp, web.HTTPException) and resp.status >= 400:
+            resp = error_response(GatewayError(resp.status, resp.text or resp.reason))
+        return await super().finish_response(request, resp, start_time)
+
     def log_exception(self, *args: Any, **kwargs: Any) -> None:
         """Log an unexpected failure with its traceback; a malformed body is expected, so one line."""
         failure = kwargs.get("exc_info")
@@ -220,18 +227,19 @@ class _Refusal(asyncio.Protocol):
     """A connection over the limit: answered 503 at once, closed when the client has read it."""
 
     def __init__(self, guard: ConnectionGuard) -> None:
-        self._guard = guard
+        self._guard: ConnectionGuard | None = guard  # None once uncounted
         self._closer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        assert isinstance(transport, asyncio.Transport) and self._guard is not None
         if self._guard.refusing >= max(self._guard.limits.max_connections, _REFUSALS_AT_ONCE):
             self._guard = None
             transport.abort()  # a flood: even answers would pile up, so drop without one
             return
         self._guard.refusing += 1
         if self._guard.refusing == 1:  # once per burst, not once per connection
-            log.warning("refusing connections: limit reached max_connections=%d", self._guard.limits.max_connections)
+            log.warning("refusing connections: limit reached max_connections=%d",
+                        self._guard.limits.max_connections)
         transport.write(_REFUSAL)
         # Half-close and wait for the client's EOF: closing with its request unread could reset the
         # connection before the client reads the 503.

@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 # vLLM answers this while shutting down: the request provably did not start, so another replica may take it.
 _VLLM_SHUTDOWN_BODY = b"Server is unavailable"
 _SSE = "text/event-stream"
+_DECODED = frozenset({"content-encoding"})
 _WHOLE_BODY_LIMIT = 1024 * 1024  # plain answers up to this size are relayed in one write
 CLIENT_GONE = 499  # nginx's code for "client closed the request"; used in logs and metrics only
 
@@ -88,7 +89,8 @@ class Forwarder:
     async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
                       outcome: Outcome) -> web.StreamResponse:
         """Proxy the request, retrying on another replica only while nothing reached the client."""
-        headers = forwardable(request.headers, self._dropped_headers)
+        # The server already decoded a compressed request body: what goes upstream is the plain body.
+        headers = forwardable(request.headers, self._dropped_headers | _DECODED)
         headers["x-request-id"] = outcome.request_id
         targets = [decision.endpoint, *decision.fallbacks][: self._retries + 1]
         for attempt, target in enumerate(targets):

@@ -4,6 +4,7 @@ gateway keeps serving; slow and idle clients are cut off; connections past the l
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
@@ -147,7 +148,8 @@ async def test_slow_but_steady_body_is_not_cut_off(gateway, replica) -> None:
 async def test_stalled_body_on_a_route_that_ignores_it_is_closed_quietly(gateway, replica) -> None:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    raw = await exchange(address(gateway), b"GET /healthz HTTP/1.1\r\nHost: gateway.test\r\nContent-Length: 50\r\n\r\nab")
+    stalled = b"GET /healthz HTTP/1.1\r\nHost: gateway.test\r\nContent-Length: 50\r\n\r\nab"
+    raw = await exchange(address(gateway), stalled)
     [response] = parse_responses(raw)
     assert response.status == 200
     assert loop.time() - started < TIGHT["body_timeout"] + SLACK_S
@@ -412,3 +414,18 @@ async def test_a_thousand_idle_connections_are_refused_without_leaking_descripto
         await wait_until(lambda: guard.served == 0 and guard.refusing == 0)
         await wait_until(lambda: open_descriptors() <= baseline + 5)
         await assert_still_serves(gw, replica)
+
+
+async def test_unknown_expectation_gets_a_json_417(gateway, replica) -> None:
+    [response] = await refused(gateway, request("POST", "/v1/completions", GOOD, headers=b"Expect: teapot\r\n"))
+    response.openai_error(417)
+    await assert_still_serves(gateway, replica)
+
+
+async def test_compressed_body_reaches_the_replica_decoded_and_labelled_so(gateway, replica) -> None:
+    gzipped = gzip.compress(GOOD)
+    [response] = await refused(gateway, request("POST", "/v1/completions", gzipped,
+                                                headers=b"Content-Encoding: gzip\r\n"))
+    assert response.status == 200
+    [received] = replica.received
+    assert received.body == GOOD and "Content-Encoding" not in received.headers

@@ -14,11 +14,18 @@ def _model_len(footprint: PrefixFootprint, block_size: int) -> int:
     return math.ceil(footprint.longest_request_tokens / block_size) * block_size
 
 
-def fleet_options(spec: WorkloadSpec, base: SimOptions, cache_fraction: float) -> SimOptions:
-    """Replica settings whose KV cache holds `cache_fraction` of the distinct prefixes in play."""
+def fleet_options(spec: WorkloadSpec, base: SimOptions, replicas: int, cache_fraction: float) -> SimOptions:
+    """Replica settings whose KV cache holds `cache_fraction` of the tenants' system prompts.
+
+    On top comes room for the conversations of the replica's share of users, so a router that keeps
+    each tenant on a few replicas finds its prefixes cached, while one that spreads every tenant
+    everywhere keeps evicting them.
+    """
     footprint = PrefixFootprint.of(spec, base.block_size)
     model_len = _model_len(footprint, base.block_size)
-    blocks = max(math.ceil(cache_fraction * footprint.in_play(spec)), model_len // base.block_size)
+    live_conversations = math.ceil(spec.concurrency / replicas)
+    blocks = math.ceil(cache_fraction * footprint.all_system_prompts(spec)) + live_conversations * footprint.history_blocks
+    blocks = max(blocks, model_len // base.block_size)
     return dataclasses.replace(
         base,
         models=(spec.model,),
@@ -34,7 +41,7 @@ def oracle_options(spec: WorkloadSpec, base: SimOptions) -> SimOptions:
     return dataclasses.replace(
         base,
         models=(spec.model,),
-        num_gpu_blocks=2 * footprint.whole_workload(spec),
+        num_gpu_blocks=2 * footprint.whole_workload(spec),  # twice the bound: nothing is ever evicted
         max_model_len=_model_len(footprint, base.block_size),
         max_num_seqs=2 * spec.concurrency,
     )

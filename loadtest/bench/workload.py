@@ -21,7 +21,8 @@ _WORDS = (
 )  # fmt: skip
 # The sim's chat template adds about this many characters around each message.
 _TEMPLATE_CHARS_PER_MESSAGE = 60
-# Longest generated word in characters, with its leading space: bounds a reply's length.
+# Generated words with their leading space: about 6.5 characters on average, 10 at the longest.
+_MEAN_REPLY_CHARS_PER_TOKEN = 6.5
 _MAX_REPLY_CHARS_PER_TOKEN = 10
 _CHARS_PER_TOKEN = 4
 
@@ -136,32 +137,33 @@ def _blocks(chars: int, block_size: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class PrefixFootprint:
-    """KV blocks a workload's reusable prefixes take: shared system prompts and live conversation histories."""
+    """KV blocks a workload's prefixes take: a tenant's shared system prompt and one conversation's turns."""
 
     system_prompt_blocks: int  # one tenant's system prompt
-    history_blocks: int  # one conversation's turns at their longest, replies included
-    longest_request_tokens: int  # prompt plus output of the last turn
+    history_blocks: int  # one conversation's turns, replies included, at typical lengths
+    longest_history_blocks: int  # the same at the longest lengths the workload allows
+    longest_request_tokens: int  # prompt plus output of the longest possible last turn
 
     @classmethod
     def of(cls, spec: WorkloadSpec, block_size: int) -> PrefixFootprint:
-        """Upper-bound estimates from the workload's sizes (four characters per token, as the sim tokenizes)."""
+        """Estimates from the workload's sizes at four characters per token, as the simulator tokenizes."""
         system_chars = spec.system_prompt_chars + 2 * _TEMPLATE_CHARS_PER_MESSAGE
-        turn_chars = (
-            spec.user_chars * 3 // 2
-            + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN
-            + 2 * _TEMPLATE_CHARS_PER_MESSAGE
+        typical_turn = spec.user_chars + spec.max_tokens * _MEAN_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
+        longest_turn = (
+            spec.user_chars * 3 // 2 + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
         )
-        history_chars = spec.turns * turn_chars
         return cls(
             system_prompt_blocks=_blocks(system_chars, block_size),
-            history_blocks=_blocks(history_chars, block_size),
-            longest_request_tokens=math.ceil((system_chars + history_chars) / _CHARS_PER_TOKEN) + spec.max_tokens,
+            history_blocks=_blocks(round(spec.turns * typical_turn), block_size),
+            longest_history_blocks=_blocks(spec.turns * longest_turn, block_size),
+            longest_request_tokens=math.ceil((system_chars + spec.turns * longest_turn) / _CHARS_PER_TOKEN)
+            + spec.max_tokens,
         )
 
-    def in_play(self, spec: WorkloadSpec) -> int:
-        """Distinct reusable blocks at one time: every tenant's prompt and every live conversation's history."""
-        return spec.tenants * self.system_prompt_blocks + spec.concurrency * self.history_blocks
+    def all_system_prompts(self, spec: WorkloadSpec) -> int:
+        """Blocks of every tenant's system prompt together."""
+        return spec.tenants * self.system_prompt_blocks
 
     def whole_workload(self, spec: WorkloadSpec) -> int:
         """Blocks that hold every prefix the workload ever sends: an effectively unbounded cache."""
-        return spec.tenants * self.system_prompt_blocks + spec.conversations * self.history_blocks
+        return self.all_system_prompts(spec) + spec.conversations * self.longest_history_blocks

@@ -17,7 +17,6 @@ from loadtest.priority.summary import RunResult, summarise, verdict
 from loadtest.priority.workload import poisson_arrivals, request_body
 from loadtest.simulator import SimOptions
 
-
 Progress = Callable[[str], None]
 
 
@@ -82,7 +81,7 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[s
         capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
         progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
         async with gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as url:
-            unloaded = await _run(plan, Services(url, urls), "unloaded", "cache-aware + admission control, interactive only",
+            unloaded = await _run(plan, Services(url, urls), "unloaded", f"{ADMISSION.title}, interactive only",
                                   plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed)
     progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
              f"p99 {unloaded.interactive.ttft_p99_ms} ms")

@@ -115,8 +115,8 @@ async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    return [task.result() if task not in pending
-            else Sample(arrival.priority, Outcome.LOST, 0.0, detail=f"no response within the {drain_cap:.0f} s drain cap")
+    unanswered = f"no response within the {drain_cap:.0f} s drain cap"
+    return [Sample(arrival.priority, Outcome.LOST, 0.0, detail=unanswered) if task in pending else task.result()
             for arrival, task in zip(arrivals, tasks, strict=True)]
 
 

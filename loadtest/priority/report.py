@@ -24,8 +24,8 @@ def _table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| run | interactive TTFT p50 / p99 (ms) | p99 vs unloaded | interactive e2e p99 (ms) "
         "| interactive ok / 429 / err / lost | batch ok / 429 / err / lost | batch req/s | replica queue mean / max "
-        "| kvgate queue max | stale scrapes |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| kvgate queue max | interactive mean wait in kvgate (ms) | stale scrapes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in [report["unloaded"], *report["runs"]]:
         inter, batch, queues = run["interactive"], run["batch"], run["queues"]
@@ -35,7 +35,8 @@ def _table(report: dict[str, Any]) -> list[str]:
             f"| {name} {run['title']}, {run['offered_rps']} req/s | {inter['ttft_p50_ms']:.0f} / "
             f"{inter['ttft_p99_ms']:.0f} | {ratio:.1f}x | {inter['e2e_p99_ms']:.0f} | {_counts(inter)} | "
             f"{_counts(batch)} | {run['batch_throughput']:.1f} | {queues['replica_waiting_mean']} / "
-            f"{queues['replica_waiting_max']} | {queues['gateway_queue_max']} | {queues['stale_fraction']:.0%} |")
+            f"{queues['replica_waiting_max']} | {queues['gateway_queue_max']} | "
+            f"{run['interactive_kvgate_wait_ms']:.0f} | {queues['stale_fraction']:.0%} |")
     return lines
 
 

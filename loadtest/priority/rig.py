@@ -16,7 +16,8 @@ from loadtest.simulator import SimOptions
 
 _GATEWAY_ARGV = [sys.executable, "-m", "router.cli", "serve", "--drain-delay", "0", "--drain-timeout", "2",
                  "--log-level", "warning"]
-_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed")
+_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds")
+_COUNTED_SUFFIXES = ("_total", "_sum", "_count")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,7 @@ async def services(name: str, replicas: int, options: SimOptions, flags: Sequenc
 
 
 async def admission_counters(gateway_url: str) -> dict[str, float]:
-    """The gateway's admission counters (`kvgate_admission_dispatched`, `_shed`) keyed by their labels."""
+    """The gateway's admission counters (dispatched, shed, wait sum and count) keyed by name and labels."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         async with session.get(gateway_url + "/metrics") as response:
             text = await response.text()
@@ -82,7 +83,7 @@ async def admission_counters(gateway_url: str) -> dict[str, float]:
         if family.name not in _ADMISSION_METRICS:
             continue
         for sample in family.samples:
-            if sample.name.endswith("_total"):
+            if sample.name.endswith(_COUNTED_SUFFIXES):
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                counters[f"{family.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
+                counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
     return counters

@@ -61,6 +61,12 @@ class RunResult:
         """Batch requests completed per second of the run including its drain."""
         return self.batch.ok / self.wall_s if self.wall_s > 0 else 0.0
 
+    def mean_kvgate_wait_ms(self, priority: str) -> float:
+        """Mean time requests of a class spent in kvgate's admission queue (0 for those let straight through)."""
+        labels = f"{{priority_class={priority}}}"
+        count = self.gateway.get(f"wait_seconds_count{labels}", 0.0)
+        return 1000 * self.gateway.get(f"wait_seconds_sum{labels}", 0.0) / count if count else 0.0
+
     @property
     def lost(self) -> int:
         """Requests of either class that got no answer."""
@@ -68,7 +74,8 @@ class RunResult:
 
     def to_json(self) -> dict:
         """The result as plain JSON, with the derived throughput."""
-        return {**asdict(self), "batch_throughput": round(self.batch_throughput, 2)}
+        return {**asdict(self), "batch_throughput": round(self.batch_throughput, 2),
+                "interactive_kvgate_wait_ms": round(self.mean_kvgate_wait_ms(INTERACTIVE), 1)}
 
 
 def summarise(key: str, title: str, offered_rps: float, duration_s: float, samples: Sequence[Sample],

@@ -1,0 +1,139 @@
+"""The routing benchmark: its pure parts directly, and a --quick run end to end in a subprocess."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from loadtest.bench.client import RequestSample
+from loadtest.bench.processes import external_argv
+from loadtest.bench.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
+from loadtest.bench.results import BASELINE_POLICY, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
+from loadtest.bench.sizing import fleet_options, oracle_options, sim_flags
+from loadtest.bench.summary import percentile, summarise_scenario
+from loadtest.bench.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
+from loadtest.simulator import SimOptions, add_sim_arguments, sim_options_from_args
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+EXPECTED_ROWS = ["oracle", "round-robin", "cache-aware", "prefix-hash", "least-load", "cache-aware x3"]
+
+
+def test_conversations_are_deterministic_and_zipf_favours_the_first_tenant() -> None:
+    spec = WorkloadSpec(tenants=8, conversations=400, skew="zipf")
+    first, again = build_conversations(spec), build_conversations(spec)
+    assert first == again
+    counts = [sum(c.tenant == tenant for c in first) for tenant in range(spec.tenants)]
+    assert counts[0] > 2 * counts[3] > 0
+    prompts = {c.tenant: {d.system_prompt for d in first if d.tenant == c.tenant} for c in first}
+    assert all(len(texts) == 1 for texts in prompts.values())  # one shared system prompt per tenant
+    assert len({text for texts in prompts.values() for text in texts}) == len(prompts)
+    uniform = [c.tenant for c in build_conversations(spec.with_skew("uniform"))]
+    assert max(uniform.count(t) for t in range(8)) < 2 * min(uniform.count(t) for t in range(8))
+
+
+def test_fleet_cache_holds_part_of_the_system_prompts_and_the_oracle_all_prefixes() -> None:
+    spec = WorkloadSpec()
+    footprint = PrefixFootprint.of(spec, 16)
+    fleet = fleet_options(spec, SimOptions(), replicas=3, cache_fraction=0.5)
+    oracle = oracle_options(spec, SimOptions())
+    assert footprint.all_system_prompts(spec) // 2 < fleet.num_gpu_blocks < footprint.all_system_prompts(spec)
+    assert oracle.num_gpu_blocks >= footprint.whole_workload(spec)
+    assert oracle.max_num_seqs >= spec.concurrency
+    assert fleet.max_model_len >= footprint.longest_request_tokens
+
+
+def test_sim_flags_rebuild_the_same_options() -> None:
+    options = fleet_options(QUICK_WORKLOAD, SimOptions(speed=2.0), replicas=3, cache_fraction=0.25)
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    assert sim_options_from_args(parser.parse_args(sim_flags(options))) == options
+
+
+def test_external_template_gets_space_separated_workers_and_port() -> None:
+    argv = external_argv("router --worker-urls {workers} --port {port} --policy cache_aware",
+                         ["http://127.0.0.1:1", "http://127.0.0.1:2"], 9000)
+    assert argv == ["router", "--worker-urls", "http://127.0.0.1:1", "http://127.0.0.1:2", "--port", "9000",
+                    "--policy", "cache_aware"]
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([float(v) for v in range(101)], 99) == 99.0
+
+
+def _row(name: str, kind: str, policy: str | None, hits: int, per_replica: list[int], ttft: float) -> RowRun:
+    stats = [{"requests": n, "prefix_cache_queries": 1000, "prefix_cache_hits": hits, "generation_tokens": n,
+              "preemptions": 0, "evictions": 0} for n in per_replica]
+    samples = [RequestSample(start=0.0, ttft=ttft, e2e=2 * ttft, output_chunks=4, error=None)] * sum(per_replica)
+    return RowRun(RowPlan(name, kind, policy), samples=samples, replica_stats=stats, wall_seconds=10.0)
+
+
+def test_targets_compare_with_oracle_and_round_robin_under_zipf() -> None:
+    scenario = ScenarioRun(WorkloadSpec(skew="zipf"), rows=[
+        _row(ORACLE, ORACLE, None, 900, [30], 0.5),
+        _row(BASELINE_POLICY, KVGATE, BASELINE_POLICY, 400, [10, 10, 10], 0.3),
+        _row("cache-aware", KVGATE, "cache-aware", 880, [11, 10, 9], 0.2),
+        _row("least-load", KVGATE, "least-load", 500, [16, 7, 7], 0.4),
+    ])
+    rows = {row.name: row for row in summarise_scenario(scenario)}
+    assert rows["round-robin"].targets == [] and rows[ORACLE].targets == []
+    assert rows["cache-aware"].hit_rate == 0.88
+    assert all(check.passed for check in rows["cache-aware"].targets), rows["cache-aware"].targets
+    failed = {check.name for check in rows["least-load"].targets if not check.passed}
+    assert failed == {"hit >= 95% of oracle", "hit >= round-robin + 40 pts", "max/mean requests <= 1.25",
+                      "TTFT p99 <= round-robin's"}
+
+
+def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Path) -> None:
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text(f"# Benchmarks\n\nIntro.\n\n{DOCS_START}\nold table\n{DOCS_END}\n\n## Other section\n")
+    report = BenchReport(
+        command="python -m loadtest.bench", date="2026-01-01 00:00 UTC",
+        machine={"nproc": 2, "platform": "linux", "python": "3.11"},
+        fleet={"replicas": 3, "cache_fraction": 0.25, "num_gpu_blocks": 600, "block_size": 16, "max_num_seqs": 64,
+               "speed": 1.0},
+        oracle={"num_gpu_blocks": 9000, "max_num_seqs": 48},
+        scenarios=[ScenarioReport("uniform", dataclasses.asdict(WorkloadSpec()), [], {})],
+    )
+    update_docs(docs, report)
+    update_docs(docs, report)
+    text = docs.read_text()
+    assert "old table" not in text and text.count(DOCS_START) == 1
+    assert text.startswith("# Benchmarks\n\nIntro.") and text.rstrip().endswith("## Other section")
+    assert "Machine: 2 CPUs" in text and "`python -m loadtest.bench`" in text
+
+
+def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_path: Path) -> None:
+    out = tmp_path / "bench-out"
+    docs = tmp_path / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench", "--quick", "--skew", "zipf", "--out", str(out), "--docs", str(docs)],
+        cwd=REPO, capture_output=True, text=True, timeout=100,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "zipf/cache-aware:" in result.stderr  # one progress line per row
+
+    report = json.loads((out / "report.json").read_text())
+    (scenario,) = report["scenarios"]
+    rows = {row["name"]: row for row in scenario["rows"]}
+    assert list(rows) == EXPECTED_ROWS
+    for row in rows.values():
+        assert row["failure"] is None
+        assert row["errors"] == 0 and row["requests"] > 0
+        assert 0.0 <= row["hit_rate"] <= 1.0
+        assert 0 < row["ttft_p50"] <= row["ttft_p99"]
+        assert abs(sum(row["replica_shares"]) - 1.0) < 1e-9
+    assert rows["cache-aware"]["hit_rate"] > rows["round-robin"]["hit_rate"]
+    assert rows["oracle"]["hit_rate"] >= rows["round-robin"]["hit_rate"]
+    assert {check["name"] for check in rows["cache-aware"]["targets"]} >= {"hit >= 95% of oracle",
+                                                                           "max/mean requests <= 1.25"}
+    for plot in scenario["plots"].values():
+        assert (out / plot).read_bytes().startswith(PNG_MAGIC)
+    assert "| cache-aware |" in (out / "report.md").read_text()
+    assert DOCS_START in docs.read_text() and "| cache-aware x3 |" in docs.read_text()
