@@ -40,6 +40,8 @@ class PassiveHealth:
     def failure(self, key: str, kind: str) -> None:
         """A connect failure or timeout on `key`."""
         breaker = self._breakers.setdefault(key, _Breaker())
+        if self._clock() < breaker.open_until:
+            return  # already out of rotation: requests that were in flight when it broke add no news
         breaker.failures += 1
         half_open = breaker.backoff > 0
         if half_open or breaker.failures >= self._threshold:

@@ -44,6 +44,15 @@ def test_breaker_opens_after_consecutive_failures_and_backs_off_longer_each_time
     assert health.healthy("a") and health.open_keys() == []
 
 
+def test_failures_of_requests_in_flight_when_it_broke_do_not_stretch_the_backoff() -> None:
+    clock = Clock()
+    health = PassiveHealth(threshold=1, base_backoff_s=1.0, max_backoff_s=30.0, clock=clock)
+    for _ in range(10):  # ten streams on the replica all fail at the moment it dies
+        health.failure("a", "stream_broken")
+    clock.now += 1.0
+    assert health.healthy("a")
+
+
 def test_a_success_resets_the_count_and_4xx_is_not_a_failure() -> None:
     health = PassiveHealth(threshold=2, clock=Clock())
     health.failure("a", "connect")
