@@ -27,6 +27,7 @@ class Fleet:
         self._clock = clock
         self._endpoints: dict[str, Endpoint] = {}
         self._in_flight: Counter[str] = Counter()
+        self._recent: Counter[str] = Counter()  # sent - finished since each replica's last successful scrape
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -52,6 +53,7 @@ class Fleet:
         for key in sorted(removed):
             log.info("endpoint removed key=%s", key)
             self.health.forget(key)
+            self._recent.pop(key, None)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -66,7 +68,7 @@ class Fleet:
         """An immutable view of every endpoint with its metrics, models and in-flight count."""
         states = tuple(
             EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
-                          models=self._models(key), healthy=self.health.healthy(key))
+                          models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key])
             for key, e in self._endpoints.items()
         )
         return FleetSnapshot(endpoints=states, now=self._clock())
@@ -75,13 +77,20 @@ class Fleet:
         """How many endpoints may take new requests."""
         return sum(1 for e in self._endpoints.values() if e.accepting)
 
+    def scraped(self, key: str, ok: bool) -> None:
+        """A scrape of `key` finished: a fresh one already counts what was sent and finished before it."""
+        if ok:
+            self._recent.pop(key, None)
+
     def acquire(self, key: str) -> None:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""
         self._in_flight[key] += 1
+        self._recent[key] += 1
 
     def release(self, key: str) -> None:
         """Count a request to `key` as finished."""
         self._in_flight[key] -= 1
+        self._recent[key] -= 1
         if self._in_flight[key] <= 0:
             del self._in_flight[key]
 

@@ -52,6 +52,7 @@ class EndpointState:
     in_flight: int = 0  # requests this gateway has open on the replica
     models: frozenset[str] = frozenset()  # served models and adapters; empty while unknown
     healthy: bool = True  # passive health: False while its circuit breaker is open
+    recent: int = 0  # requests sent minus requests finished since the replica's last successful scrape
 
     @property
     def key(self) -> str:
@@ -62,6 +63,18 @@ class EndpointState:
     def waiting(self) -> int:
         """Queue depth from the last fresh scrape, 0 when metrics are stale."""
         return 0 if self.metrics.stale else self.metrics.waiting
+
+    @property
+    def estimated_waiting(self) -> int:
+        """The replica's queue now: the last scraped depth moved by what was sent and finished since.
+
+        Conservative: a request sent since the scrape counts as waiting until the next scrape says where
+        it went (the replica's number of seats is not exported). Uses the last known values even when
+        stale; 0 for a replica never scraped.
+        """
+        if self.metrics.scraped_at is None:
+            return 0
+        return max(0, self.metrics.waiting + self.recent)
 
     @property
     def load(self) -> int:

@@ -121,8 +121,10 @@ async def run_scenario(plan: Plan, scenario: Scenario) -> RunResult:
     restart = RollingRestart(replicas, discovery.publish, replacement, timing)
     try:
         async with serving_gateway(discovery, [r.url for r in replicas]) as (url, gateway):
-            load = SteadyLoad(url, plan.sim.models[0], plan.clients, max_requests=100_000,
-                              max_seconds=plan.warmup_s + plan.before_s + plan.after_s + 120.0, max_tokens=plan.max_tokens)
+            # Bounded by the plan's phases plus a generous allowance for the restart itself.
+            max_seconds = plan.warmup_s + plan.before_s + plan.after_s + 120.0
+            load = SteadyLoad(url, plan.sim.models[0], plan.clients, max_requests=100_000, max_seconds=max_seconds,
+                              max_tokens=plan.max_tokens)
             running = asyncio.create_task(load.run())
             try:
                 await asyncio.sleep(plan.warmup_s + plan.before_s)
@@ -198,8 +200,9 @@ async def run(plan: Plan) -> list[RunResult]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark, print the Markdown, and optionally write it into a docs file."""
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_rolling_restart", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 replicas and short phases (about 25 s)")
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench_rolling_restart",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="3 replicas and short phases (about 20 s)")
     parser.add_argument("--docs", type=Path, help=f"write the section between <!-- bench:{SECTION}:start/end -->")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")

@@ -30,7 +30,7 @@ _SHAPE = LoadShape(model=SimOptions().models[0], concurrency=240, max_tokens=48,
                    aborts_per_round=5, slow_readers_per_round=2, slow_reader_max_tokens=300, slow_read_bytes=512,
                    slow_read_interval_s=0.05, slow_read_max_s=40.0)
 FULL = SoakPlan(minutes=10, shape=_SHAPE, replicas=3, sim=SimOptions(max_num_seqs=128, decode_step_seconds=0.03),
-                sample_interval_s=5.0, warmup_s=120.0, kill_interval_s=60.0, replica_down_s=5.0, settle_s=40.0)
+                sample_interval_s=5.0, warmup_s=120.0, kill_interval_s=60.0, replica_down_s=5.0, settle_s=75.0)
 QUICK = dataclasses.replace(
     FULL, minutes=0.5, sample_interval_s=1.0, warmup_s=10.0, kill_interval_s=10.0, replica_down_s=2.0, settle_s=3.0,
     shape=dataclasses.replace(_SHAPE, concurrency=30, think_s=0.5, fault_interval_s=5.0, aborts_per_round=2,

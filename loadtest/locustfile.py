@@ -29,7 +29,6 @@ delta), ITL (every gap between content deltas) and E2E (sending to the end of th
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import random
 import time
@@ -38,6 +37,7 @@ from typing import Any
 
 from locust import HttpUser, between, task
 
+from loadtest.bench.sse import ChatStream
 from loadtest.bench.workload import system_prompt, tenant_weights, user_message
 
 CHAT_PATH = "/v1/chat/completions"
@@ -87,36 +87,6 @@ def _sse_lines(response: Any) -> Iterator[bytes]:
         yield buffer
 
 
-class _StreamedReply:
-    """Content deltas of one SSE stream, with the time of each."""
-
-    def __init__(self, sent_at: float) -> None:
-        self.sent_at = sent_at
-        self.text: list[str] = []
-        self.delta_times: list[float] = []
-        self.error: str | None = None
-        self.done = False
-
-    def read(self, response: Any) -> None:
-        """Consume the stream to its end."""
-        for line in _sse_lines(response):
-            if not line.startswith(b"data: "):
-                continue
-            payload = line[6:].strip()
-            if payload == b"[DONE]":
-                self.done = True
-                return
-            event = json.loads(payload)
-            if "error" in event:
-                self.error = f"stream error: {event['error']}"
-                return
-            for choice in event.get("choices") or ():
-                content = (choice.get("delta") or {}).get("content")
-                if content:
-                    self.delta_times.append(time.perf_counter())
-                    self.text.append(content)
-
-
 class _LlmUser(HttpUser):
     """Sends chat completions and records TTFT, inter-token gaps and end-to-end time as custom rows."""
 
@@ -129,13 +99,13 @@ class _LlmUser(HttpUser):
             exception=None, context={},
         )  # fmt: skip
 
-    def _record_stream(self, reply: _StreamedReply) -> None:
+    def _record_stream(self, reply: ChatStream, sent_at: float) -> None:
         if not reply.delta_times:
             return
-        self._record("TTFT", (reply.delta_times[0] - reply.sent_at) * 1000)
+        self._record("TTFT", (reply.delta_times[0] - sent_at) * 1000)
         for before, after in itertools.pairwise(reply.delta_times):
             self._record("ITL", (after - before) * 1000)
-        self._record("E2E", (time.perf_counter() - reply.sent_at) * 1000, len(reply.delta_times))
+        self._record("E2E", (time.perf_counter() - sent_at) * 1000, len(reply.delta_times))
 
     def chat(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> str | None:
         """Send one chat completion (streamed if the body says so); the reply text, or None on failure."""
@@ -152,18 +122,20 @@ class _LlmUser(HttpUser):
                 self._record("E2E", (time.perf_counter() - sent_at) * 1000)
                 response.success()
                 return (choices[0].get("message") or {}).get("content") or ""
-            reply = _StreamedReply(sent_at)
+            reply = ChatStream(time.perf_counter)
             try:
-                reply.read(response)
+                for line in _sse_lines(response):
+                    reply.feed(line)
+                    if reply.done or reply.error:
+                        break
+                reply.finish()
             except (OSError, ValueError) as exc:
                 reply.error = f"{type(exc).__name__}: {exc}"
-            if reply.error is None and not reply.done:
-                reply.error = "stream ended without [DONE]"
             if reply.error is not None:
                 response.failure(reply.error)
                 return None
             response.success()
-        self._record_stream(reply)
+        self._record_stream(reply, sent_at)
         return "".join(reply.text)
 
 

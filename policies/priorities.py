@@ -66,14 +66,15 @@ class SaturationThresholds:
 def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
-    Stale metrics fail open: the replica is judged by the gateway's in-flight count alone.
+    Judged on the last scraped values even when stale (a failed scrape must not release a whole queue at
+    once), moved by what the gateway sent and saw finish since; a replica never scraped fails open.
     """
     room = float("inf")
-    if not state.metrics.stale:
+    if state.metrics.scraped_at is not None:
         if state.metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
         if limits.queue:
-            room = max(0.0, limits.queue - state.metrics.waiting)
+            room = max(0.0, limits.queue - state.estimated_waiting)
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
     return room

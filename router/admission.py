@@ -1,10 +1,11 @@
 """The admission queue: while a model's replicas are saturated, requests wait here by priority class.
 
-Strict priority between classes, FIFO within one. The queue releases requests as the fleet drains: each
-request that finishes frees one place, and every metrics scrape recomputes how many more the replicas take
-before they are saturated (policies.priorities.fleet_headroom). Lower classes get a minimum share of
-dispatches so they are never starved; under overflow the newest request of the least important class is
-shed first, with 429 and Retry-After.
+Strict priority between classes, FIFO within one. The queue releases requests as the fleet drains: when a
+request finishes and after every metrics scrape it recomputes how many more requests the replicas take before
+they are saturated (policies.priorities.fleet_headroom, which counts what was sent and finished since each
+scrape), less those already released but not yet sent. Lower classes get a minimum share of dispatches so
+they are never starved; under overflow the newest request of the least important class is shed first, with
+429 and Retry-After.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -45,6 +46,10 @@ class _Waiter:
     future: asyncio.Future[None]
 
 
+def _dispatched(waiter: _Waiter) -> bool:
+    return waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None
+
+
 class AdmissionQueue:
     """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
 
@@ -56,7 +61,7 @@ class AdmissionQueue:
         self._metrics = metrics
         self._clock = clock
         self._queues: dict[str, list[deque[_Waiter]]] = {}  # model -> one FIFO per class
-        self._credit: dict[str, float] = {}  # model -> requests that may still go out before the next refresh
+        self._pending: Counter[str] = Counter()  # model -> released from the queue, not yet sent to a replica
         self._since_low: dict[str, int] = {}  # model -> dispatches from a higher class while a lower one waited
         self._count = 0
         self._bytes = 0
@@ -65,7 +70,7 @@ class AdmissionQueue:
         """Return when the request may go to a replica; raise GatewayError(429) when it is shed."""
         rank = self._classes.index(info.priority_class)
         model = info.model
-        if not self._waiting(model) and self._take_credit(model):
+        if not self._waiting(model) and self._has_room(model):
             self._metrics.admitted.labels(info.priority_class, "direct").inc()
             return
         waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future())
@@ -75,27 +80,27 @@ class AdmissionQueue:
             async with asyncio.timeout(max_wait):
                 await waiter.future
         except TimeoutError:
-            if not (waiter.future.done() and not waiter.future.cancelled()):
+            if not _dispatched(waiter):
                 self._remove(model, waiter)
                 self._shed(info.priority_class, "timeout")
         except asyncio.CancelledError:
-            if waiter.future.done() and not waiter.future.cancelled():
-                self.release(model)  # dispatched just as the client left: give the place back
+            if _dispatched(waiter):
+                self._pending[model] -= 1  # released just as the client left: let the next one go
+                self._dispatch(model)
             else:
                 self._remove(model, waiter)
                 self._metrics.queue_abandoned.labels(info.priority_class).inc()
             raise
+        self._pending[model] -= 1  # the caller sends it to a replica before it next yields
         self._metrics.queue_wait.labels(info.priority_class).observe(self._clock() - waiter.enqueued)
         self._metrics.admitted.labels(info.priority_class, "queued").inc()
 
     def release(self, model: str) -> None:
-        """A request of `model` finished: one more place, then dispatch."""
-        self._credit[model] = self._current_credit(model) + 1
+        """A request of `model` finished: its replica may have room again."""
         self._dispatch(model)
 
     def refresh(self) -> None:
-        """The fleet changed (a scrape, discovery): recompute every model's headroom and dispatch."""
-        self._credit.clear()
+        """The fleet changed (a scrape, discovery): dispatch whatever now fits."""
         for model in list(self._queues):
             self._dispatch(model)
 
@@ -110,16 +115,8 @@ class AdmissionQueue:
     def _waiting(self, model: str) -> bool:
         return any(self._queues.get(model, ()))
 
-    def _current_credit(self, model: str) -> float:
-        if model not in self._credit:
-            self._credit[model] = self._fleet_headroom(model)
-        return self._credit[model]
-
-    def _take_credit(self, model: str) -> bool:
-        if self._current_credit(model) < 1:
-            return False
-        self._credit[model] -= 1
-        return True
+    def _has_room(self, model: str) -> bool:
+        return self._fleet_headroom(model) - self._pending[model] >= 1
 
     def _enqueue(self, model: str, waiter: _Waiter) -> None:
         name = waiter.info.priority_class
@@ -163,11 +160,12 @@ class AdmissionQueue:
 
     def _dispatch(self, model: str) -> None:
         """Release waiting requests of `model` while the fleet has room."""
-        while self._waiting(model) and self._take_credit(model):
+        while self._waiting(model) and self._has_room(model):
             queues = self._queues[model]
             rank = self._next_rank(model, queues)
             waiter = queues[rank].popleft()
             self._forget(model, waiter)
+            self._pending[model] += 1
             waiter.future.set_result(None)
 
     def _next_rank(self, model: str, queues: list[deque[_Waiter]]) -> int:

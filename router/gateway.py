@@ -91,6 +91,7 @@ class Gateway:
         self.fleet.on_endpoints(self.models.set_endpoints)
         self.fleet.on_removed(self.policy.forget)
         self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics)
+        self.scraper.add_result_listener(lambda key, ok, _duration: self.fleet.scraped(key, ok))
         self.scraper.add_round_listener(self.admission.refresh)
         self.fleet.on_endpoints(lambda _endpoints: self.admission.refresh())
         self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,

@@ -92,19 +92,31 @@ class Forwarder:
         # The server already decoded a compressed request body: what goes upstream is the plain body.
         headers = forwardable(request.headers, self._dropped_headers | _DECODED)
         headers["x-request-id"] = outcome.request_id
-        targets = [decision.endpoint, *decision.fallbacks][: self._retries + 1]
-        for attempt, target in enumerate(targets):
-            outcome.attempts = attempt + 1
+        tried: list[str] = []
+        target: EndpointState | None = decision.endpoint
+        while target is not None:
+            tried.append(target.key)
+            outcome.attempts = len(tried)
             outcome.replica = target.key
             try:
                 return await self._attempt(request, parsed, target, headers, outcome)
             except _Retryable as exc:
                 outcome.error = exc.cause
-                if attempt + 1 == len(targets):
+                target = self._next_target(parsed, decision, tried) if len(tried) <= self._retries else None
+                if target is None:
                     break
                 self._metrics.retries.labels(exc.cause).inc()
-                log.info("retrying id=%s replica=%s cause=%s", outcome.request_id, target.key, exc.cause)
+                log.info("retrying id=%s replica=%s cause=%s", outcome.request_id, tried[-1], exc.cause)
         raise GatewayError(503, "no replica could be reached; retry shortly", headers={"Retry-After": "1"})
+
+    def _next_target(self, parsed: ParsedRequest, decision: Decision, tried: list[str]) -> EndpointState | None:
+        """The policy's next fallback not tried yet, else the least loaded candidate not tried yet."""
+        for state in decision.fallbacks:
+            if state.key not in tried:
+                return state
+        # The policy's fallbacks skip replicas over their load cap; an over-cap replica beats failing.
+        others = [s for s in self._fleet.snapshot().candidates(parsed.info.model) if s.key not in tried]
+        return min(others, key=lambda s: s.load, default=None)
 
     async def _attempt(self, request: web.Request, parsed: ParsedRequest, target: EndpointState,
                        headers: dict, outcome: Outcome) -> web.StreamResponse:
@@ -144,17 +156,25 @@ class Forwarder:
             self._metrics.upstream_errors.labels("timeout", target.key).inc()
             self._fleet.health.failure(target.key, "timeout")
             raise GatewayError(504, "the replica did not answer in time") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # Closed or reset before the status line: nothing reached the client, and vLLM aborts a request
+            # whose connection is gone (or is dead itself), so another replica may take it.
+            self._metrics.upstream_errors.labels("disconnected", target.key).inc()
+            log.warning("upstream disconnected before answering replica=%s error=%s", target.key, exc)
+            raise _Retryable("disconnected") from None
         except aiohttp.ClientError as exc:
             self._metrics.upstream_errors.labels("protocol", target.key).inc()
             raise GatewayError(502, f"the replica failed before answering: {type(exc).__name__}") from None
+        if upstream.status == 503:
+            body = await upstream.read()
+            upstream.release()
+            if _VLLM_SHUTDOWN_BODY in body:
+                self._fleet.health.failure(target.key, "replica_shutdown")  # it is leaving: stop choosing it
+                raise _Retryable("replica_shutdown")
+            self._fleet.health.success(target.key)
+            return upstream, body
         self._fleet.health.success(target.key)  # any answer, 4xx and 5xx included, means it is up
-        if upstream.status != 503:
-            return upstream, None
-        body = await upstream.read()
-        upstream.release()
-        if _VLLM_SHUTDOWN_BODY in body:
-            raise _Retryable("replica_shutdown")
-        return upstream, body
+        return upstream, None
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, prefetched: bytes | None,
                      outcome: Outcome) -> web.StreamResponse:

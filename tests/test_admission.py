@@ -83,18 +83,21 @@ async def test_saturated_fleet_dispatches_interactive_before_earlier_batch() -> 
     requests = [info("batch", 0), info("batch", 1), info("interactive", 2), info("batch", 3), info("interactive", 4)]
     tasks = await admit_all(queue, requests, order)
     assert queue.describe()["waiting"] == 5 and order == []
+    room.free = 1  # one place: each finished request lets the next one go
     for _ in range(5):
-        queue.release("m")  # one request finished elsewhere: one place
+        queue.release("m")
         await asyncio.sleep(0)
     await asyncio.gather(*tasks)
     assert order == [2, 4, 0, 1, 3]
 
 
 async def test_batch_gets_its_minimum_share_while_interactive_keeps_waiting() -> None:
-    queue = queue_with(Room(0), min_share=0.25)
+    room = Room(0)
+    queue = queue_with(room, min_share=0.25)
     order: list[int] = []
     requests = [info("batch", i) for i in range(3)] + [info("interactive", 10 + i) for i in range(9)]
     tasks = await admit_all(queue, requests, order)
+    room.free = 1
     for _ in range(8):
         queue.release("m")
         await asyncio.sleep(0)

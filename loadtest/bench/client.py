@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from loadtest.bench.sse import ChatStream
 from loadtest.bench.workload import Conversation, WorkloadSpec
 
 CHAT_PATH = "/v1/chat/completions"
@@ -30,40 +31,13 @@ class RequestSample:
     error: str | None
 
 
-@dataclass(slots=True)
-class _Reply:
-    text: str = ""
-    ttft: float | None = None
-    chunks: int = 0
-    error: str | None = None
-    done: bool = False
-
-
-def _read_event(payload: bytes, reply: _Reply, elapsed: float) -> None:
-    """Fold one SSE `data:` payload into the reply."""
-    if payload == b"[DONE]":
-        reply.done = True
-        return
-    event = orjson.loads(payload)
-    if "error" in event:
-        reply.error = f"stream error: {str(event['error'])[:_ERROR_TEXT_CHARS]}"
-        return
-    for choice in event.get("choices") or ():
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            if reply.ttft is None:
-                reply.ttft = elapsed
-            reply.text += content
-            reply.chunks += 1
-
-
 async def stream_chat(
     session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], run_start: float, timeout: float
 ) -> tuple[RequestSample, str]:
     """Send one streamed chat completion, given up after `timeout` seconds; the sample and the reply text."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    reply = _Reply()
+    reply = ChatStream(loop.time)
     try:
         async with session.post(base_url + CHAT_PATH, data=orjson.dumps(body),
                                 headers={"Content-Type": "application/json"},
@@ -73,17 +47,18 @@ async def stream_chat(
                 reply.error = f"HTTP {response.status}: {text[:_ERROR_TEXT_CHARS]}"
             else:
                 async for line in response.content:
-                    if line.startswith(b"data: "):
-                        _read_event(line[6:].strip(), reply, loop.time() - start)
-                if not reply.done and reply.error is None:
-                    reply.error = "stream ended without [DONE]"
+                    reply.feed(line)
+                reply.finish()
     except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
         reply.error = f"{type(exc).__name__}: {str(exc)[:_ERROR_TEXT_CHARS]}"
     sample = RequestSample(
-        start=start - run_start, ttft=reply.ttft, e2e=loop.time() - start, output_chunks=reply.chunks,
+        start=start - run_start,
+        ttft=reply.delta_times[0] - start if reply.delta_times else None,
+        e2e=loop.time() - start,
+        output_chunks=len(reply.delta_times),
         error=reply.error,
     )
-    return sample, reply.text
+    return sample, "".join(reply.text)
 
 
 def chat_body(spec: WorkloadSpec, messages: list[dict[str, str]]) -> dict[str, Any]:

@@ -71,7 +71,7 @@ class WorkloadSpec:
     user_chars: int = 300
     max_tokens: int = 32
     concurrency: int = 24
-    duration: float = 30.0  # time cap per row, seconds
+    duration: float = 45.0  # time cap per row, seconds
     skew: str = "uniform"
     zipf_s: float = 1.1
     seed: int = 0

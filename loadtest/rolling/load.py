@@ -43,8 +43,7 @@ class SteadyLoad:
         loop = asyncio.get_running_loop()
         self.run_start = loop.time()
         deadline = self.run_start + self._max_seconds
-        timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_SECONDS)
-        async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await asyncio.gather(*(self._client(session, deadline) for _ in range(self._concurrency)))
         return self.samples
 
@@ -67,5 +66,5 @@ class SteadyLoad:
                 "max_tokens": self._max_tokens,
                 "stream": True,
             }
-            sample, _ = await stream_chat(session, self._url, body, self.run_start)
+            sample, _ = await stream_chat(session, self._url, body, self.run_start, _REQUEST_TIMEOUT_SECONDS)
             self.samples.append(sample)

@@ -57,7 +57,6 @@ class RollingRestart:
     def __init__(self, replicas: Sequence[RestartableReplica], publish: Publisher,
                  replacement_options: SimOptions, timing: RestartTiming) -> None:
         self.replicas = list(replicas)
-        self.records: list[RestartRecord] = []
         self._publish = publish
         self._options = replacement_options
         self._timing = timing
@@ -112,9 +111,7 @@ class RollingRestart:
         self._list(new, ReplicaPhase.STARTING)
         await self._wait_ready(new)
         self._list(new, ReplicaPhase.READY)
-        record = RestartRecord(old.name, new.name, in_flight, drained, aborted, began, stopped, loop.time())
-        self.records.append(record)
-        return record
+        return RestartRecord(old.name, new.name, in_flight, drained, aborted, began, stopped, loop.time())
 
     async def _wait_ready(self, replica: RestartableReplica) -> None:
         """Probe /health like a kubelet readiness probe until it answers 200."""
