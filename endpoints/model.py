@@ -69,8 +69,7 @@ class EndpointState:
         """The replica's queue now: the last scraped depth moved by what was sent and finished since.
 
         Conservative: a request sent since the scrape counts as waiting until the next scrape says where
-        it went (the replica's number of seats is not exported). Uses the last known values even when
-        stale; 0 for a replica never scraped.
+        it went (the replica's number of seats is not exported); 0 for a replica never scraped.
         """
         if self.metrics.scraped_at is None:
             return 0

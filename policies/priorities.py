@@ -66,15 +66,19 @@ class SaturationThresholds:
 def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
-    Judged on the last scraped values even when stale (a failed scrape must not release a whole queue at
-    once), moved by what the gateway sent and saw finish since; a replica never scraped fails open.
+    Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
+    (a replica too busy to answer /metrics, say) count only what was sent since the last good scrape: a
+    failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
+    replica never scraped fails open.
     """
     room = float("inf")
-    if state.metrics.scraped_at is not None:
-        if state.metrics.kv_cache_usage >= limits.kv_cache:
+    metrics = state.metrics
+    if metrics.scraped_at is not None:
+        if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
         if limits.queue:
-            room = max(0.0, limits.queue - state.estimated_waiting)
+            waiting = max(0, state.recent) if metrics.stale else state.estimated_waiting
+            room = max(0.0, limits.queue - waiting)
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
     return room

@@ -134,12 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policy", default="cache-aware")
     demo.add_argument("--log-level", default="info")
     demo.set_defaults(func=_cmd_demo)
+
+    bench = commands.add_parser("bench", add_help=False,
+                                help="compare routing policies (and other routers) on a simulated fleet; "
+                                     "`kvgate bench --help` for its options")
+    bench.set_defaults(func=None)  # main() hands `kvgate bench ...` to loadtest.bench before parsing
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `kvgate` console script."""
-    ns = build_parser().parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["bench"]:
+        from loadtest.bench.cli import main as bench_main  # matplotlib and friends: loaded only for the bench
+
+        return bench_main(args[1:])
+    ns = build_parser().parse_args(args)
     try:
         return ns.func(ns)
     except ConfigError as exc:

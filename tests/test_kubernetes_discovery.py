@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 
 from endpoints.k8s_slices import SliceReader
-from endpoints.kubernetes import EndpointSliceWatcher, load_kubernetes_config
+from endpoints.kubernetes import EndpointSliceWatcher
 from endpoints.model import Endpoint
 from endpoints.multi_discovery import MultiDiscovery
 from tests.k8s_api import K8sTestApi, make_slice
@@ -79,17 +79,6 @@ async def synced(api: K8sTestApi, *slices: dict,
         await reports.wait_for(lambda latest: bool(reports.history))
         await eventually(lambda: api.open_watches == 1)
         yield reports, discovery
-
-
-@pytest.fixture
-async def api(tmp_path, monkeypatch) -> AsyncIterator[K8sTestApi]:
-    server = K8sTestApi()
-    await server.start()
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in-cluster: use the kubeconfig
-    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig")))
-    await load_kubernetes_config()
-    yield server
-    await server.stop()
 
 
 def accepting(reports: Reports) -> dict[str, bool]:

@@ -8,10 +8,9 @@ import time
 
 import aiohttp
 
-from endpoints.kubernetes import load_kubernetes_config
 from loadtest.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway, wait_until
-from tests.k8s_api import K8sTestApi, make_slice
+from tests.k8s_api import make_slice
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 HOSTS = ("127.0.0.2", "127.0.0.3")  # one "pod IP" each; EndpointSlices give every pod the same port
@@ -30,15 +29,9 @@ def shared_free_port() -> int:
     raise RuntimeError("no port free on both loopback addresses")
 
 
-async def test_terminating_pod_gets_no_new_requests_within_a_second_and_finishes_its_stream(
-        tmp_path, monkeypatch) -> None:
+async def test_terminating_pod_gets_no_new_requests_within_a_second_and_finishes_its_stream(api) -> None:
     port = shared_free_port()
     fleets = [await SimFleet.start([port], SimOptions(speed=2.0), host=host) for host in HOSTS]
-    api = K8sTestApi()
-    await api.start()
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setenv("KUBECONFIG", str(api.write_kubeconfig(tmp_path / "kubeconfig")))
-    await load_kubernetes_config()
     pods = [(HOSTS[0], "vllm-a", True, True, False), (HOSTS[1], "vllm-b", True, True, False)]
     api.apply_slice(make_slice("vllm", "vllm-1", pods, ports=[("http", port)]))
     try:
@@ -68,6 +61,5 @@ async def test_terminating_pod_gets_no_new_requests_within_a_second_and_finishes
     finally:
         for fleet in fleets:
             await fleet.stop()
-        await api.stop()
     assert fleets[busy].replicas[0].stats()["requests"] == before  # no new request reached the terminating pod
     assert rest.endswith(b"data: [DONE]\n\n") and b'"error"' not in rest

@@ -8,13 +8,7 @@ import logging
 import pytest
 
 from endpoints.models import ModelLister, model_ids
-from tests.fake_vllm_replica import (  # noqa: F401 (fixtures)
-    models_payload,
-    refused_endpoint,
-    session,
-    start_replica,
-    wait_until,
-)
+from tests.fake_vllm_replica import models_payload, refused_endpoint, wait_until
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 

@@ -37,16 +37,6 @@ MAX_TOKENS = 32  # a stream takes about 0.15 s
 T = TypeVar("T")
 
 
-@pytest.fixture
-async def api(tmp_path, monkeypatch) -> AsyncIterator[K8sTestApi]:
-    server = K8sTestApi()
-    await server.start()
-    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in-cluster: use the kubeconfig
-    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig")))
-    yield server
-    await server.stop()
-
-
 @asynccontextmanager
 async def restartable_fleet(api: K8sTestApi, timing: RestartTiming
                             ) -> AsyncIterator[tuple[RunningGateway, RollingRestart, SlicePublisher]]:

@@ -16,7 +16,7 @@ from endpoints.prometheus_text import select_samples
 from endpoints.scraper import MetricsScraper
 from endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics
 from loadtest.vllm_metrics_page import LEGACY_KV_USAGE, EngineLoad, LoraSeries, render_vllm_metrics
-from tests.fake_vllm_replica import refused_endpoint, session, start_replica, wait_until  # noqa: F401 (fixtures)
+from tests.fake_vllm_replica import refused_endpoint, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -94,7 +94,7 @@ vllm:cache_config_info{{block_size="16",enable_prefix_caching="True",engine="0",
 
 def test_page_without_the_load_gauges_is_an_error():
     with pytest.raises(MetricsPageError, match="vllm:num_requests_waiting"):
-        parse_vllm_metrics(f'vllm:kv_cache_usage_perc{{engine="0"}} 0.1\nvllm:num_requests_running 1\n', 1.0)
+        parse_vllm_metrics('vllm:kv_cache_usage_perc{engine="0"} 0.1\nvllm:num_requests_running 1\n', 1.0)
 
 
 def test_malformed_wanted_line_is_an_error_but_unrelated_garbage_is_never_read():

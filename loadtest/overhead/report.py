@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-START_MARKER = "<!-- bench:overhead:start -->"
-END_MARKER = "<!-- bench:overhead:end -->"
+from loadtest import docs_section
+
+START_MARKER, END_MARKER = docs_section.markers("overhead")
 
 
 def _comparison_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -81,13 +82,5 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_docs_section(path: Path, markdown: str) -> None:
-    """Replace the text between this benchmark's markers in `path`; append the section (or create the file)."""
-    section = f"{START_MARKER}\n{markdown}{END_MARKER}"
-    text = path.read_text() if path.exists() else ""
-    start, end = text.find(START_MARKER), text.find(END_MARKER)
-    if start != -1 and end > start:
-        text = text[:start] + section + text[end + len(END_MARKER):]
-    else:
-        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    """Replace this benchmark's section of `path` (between its markers); append it or create the file."""
+    docs_section.write_docs_section(path, "overhead", markdown)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from loadtest import docs_section
+
 from loadtest.priority.summary import BATCH_THROUGHPUT_TOLERANCE, TTFT_RATIO_AIM, TTFT_RATIO_LIMIT
 
 SECTION = "priority"
@@ -88,14 +90,5 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_docs_section(path: Path, markdown: str, section: str = SECTION) -> None:
-    """Replace the text between `<!-- bench:SECTION:start -->` and `:end -->` in `path`; append it if absent."""
-    start_marker, end_marker = f"<!-- bench:{section}:start -->", f"<!-- bench:{section}:end -->"
-    block = f"{start_marker}\n{markdown}{end_marker}"
-    text = path.read_text() if path.exists() else ""
-    start, end = text.find(start_marker), text.find(end_marker)
-    if start != -1 and end > start:
-        text = text[:start] + block + text[end + len(end_marker):]
-    else:
-        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    """Replace `section` of `path` (between its markers); append it or create the file."""
+    docs_section.write_docs_section(path, section, markdown)

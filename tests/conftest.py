@@ -1,0 +1,24 @@
+"""Fixtures shared by several test files."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from endpoints.kubernetes import load_kubernetes_config
+from tests.k8s_api import K8sTestApi
+
+pytest_plugins = ["tests.fake_vllm_replica"]  # its fake replica and client session fixtures
+
+
+@pytest.fixture
+async def api(tmp_path, monkeypatch) -> AsyncIterator[K8sTestApi]:
+    """The test Kubernetes API server, with the real client configured for it through a kubeconfig."""
+    server = K8sTestApi()
+    await server.start()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)  # not in-cluster: use the kubeconfig
+    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig")))
+    await load_kubernetes_config()
+    yield server
+    await server.stop()
