@@ -147,8 +147,10 @@ class AdmissionQueue:
         return None
 
     def _remove(self, model: str, waiter: _Waiter) -> None:
-        queue = self._queues[model][waiter.rank]
-        queue.remove(waiter)
+        queues = self._queues.get(model)
+        if queues is None or waiter not in queues[waiter.rank]:
+            return  # already taken out by a dispatch that found its client gone
+        queues[waiter.rank].remove(waiter)
         self._forget(model, waiter)
 
     def _forget(self, model: str, waiter: _Waiter) -> None:
@@ -165,6 +167,8 @@ class AdmissionQueue:
             rank = self._next_rank(model, queues)
             waiter = queues[rank].popleft()
             self._forget(model, waiter)
+            if waiter.future.done():
+                continue  # cancelled in this loop turn: its client left, and it no longer needs a place
             self._pending[model] += 1
             waiter.future.set_result(None)
 

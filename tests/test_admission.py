@@ -156,6 +156,21 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once() -> N
     assert queue.describe() == {"waiting": 0, "bytes": 0, "models": {}}
 
 
+async def test_a_client_leaving_as_its_place_frees_up_leaks_no_place() -> None:
+    room = Room(0)
+    queue = queue_with(room)
+    leaving = asyncio.create_task(queue.admit(info("interactive", 0)))
+    staying = asyncio.create_task(queue.admit(info("interactive", 1)))
+    await asyncio.sleep(0)
+    leaving.cancel()  # the client goes away ...
+    room.free = 1
+    queue.release("m")  # ... in the same loop turn as a place frees up
+    await asyncio.wait_for(staying, 1)  # the place goes to the next request, not to the one that left
+    await asyncio.gather(leaving, return_exceptions=True)
+    assert queue.describe() == {"waiting": 0, "bytes": 0, "models": {}}
+    await asyncio.wait_for(queue.admit(info("interactive", 2)), 1)  # and nothing stays reserved
+
+
 async def test_unknown_priority_header_gets_400_through_the_gateway() -> None:
     fleet = await SimFleet.start([0], SimOptions(speed=50.0))
     try:
