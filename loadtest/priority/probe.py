@@ -22,7 +22,7 @@ class QueueSummary:
     replica_waiting_mean: float  # per replica, from /sim/stats (ground truth)
     replica_waiting_max: int
     gateway_queue_max: int  # kvgate's admission queue, all classes
-    stale_fraction: float  # of (sample, replica) pairs kvgate judged on stale metrics (headroom fails open)
+    stale_fraction: float  # of (sample, replica) pairs kvgate judged on stale metrics (headroom then counts only what was sent since the last good scrape)
 
 
 @dataclass(slots=True)

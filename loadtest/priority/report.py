@@ -80,7 +80,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"TTFT is the time to the first content chunk. Batch req/s counts completed batch requests over the run "
         f"including its drain. Replica queue: requests waiting inside the replicas (`/sim/stats`), kvgate queue: its "
         f"admission queue, stale scrapes: share of samples where kvgate judged a replica on stale metrics "
-        f"(headroom then fails open); all sampled every 0.5 s while the load was on.",
+        f"(headroom then counts only what was sent since the last good scrape); all sampled every 0.5 s while the load was on.",
         "",
         *_table(report),
         "",
