@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -74,3 +75,10 @@ async def scripted_replica(routes: list[tuple[str, str, Callable]]) -> AsyncIter
 def sse_event(payload: bytes) -> bytes:
     """One SSE event as vLLM frames it."""
     return b"data: " + payload + b"\n\n"
+
+
+def closed_port() -> int:
+    """A 127.0.0.1 port nobody listens on (bound once to find it, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 import openai
@@ -13,7 +12,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from loadtest.simulator import SimFleet, SimOptions
-from tests.harness import running_gateway, scripted_replica, wait_until
+from tests.harness import closed_port, running_gateway, scripted_replica, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 FAST = SimOptions(speed=50.0)
@@ -91,12 +90,6 @@ async def test_unknown_model_gets_404_naming_it(sim) -> None:
             error = (await resp.json())["error"]
     assert error["param"] == "model" and "no-such-model" in error["message"]
     assert total_requests(sim) == 0
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_no_reachable_replica_gets_503_with_retry_after() -> None:

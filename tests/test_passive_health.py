@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 
 import aiohttp
 
 from endpoints.health import PassiveHealth
 from loadtest.simulator import SimFleet, SimOptions
-from tests.harness import running_gateway
+from tests.harness import closed_port, running_gateway
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -59,12 +58,6 @@ def test_a_success_resets_the_count_and_4xx_is_not_a_failure() -> None:
     health.success("a")
     health.failure("a", "connect")
     assert health.healthy("a")
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_dead_replica_leaves_rotation_and_client_errors_do_not_count() -> None:
