@@ -14,17 +14,20 @@ log = logging.getLogger(__name__)
 
 EndpointsListener = Callable[[Sequence[Endpoint]], None]
 RemovalListener = Callable[[str], None]
+_REUSE_S = 0.005
 
 
 class Fleet:
     """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
 
     def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
-                 health: PassiveHealth | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics
         self._models = models
-        self.health = health or PassiveHealth(clock=clock)
+        self.health = PassiveHealth(clock=clock)
         self._clock = clock
+        self._version = 0  # bumped by every change a snapshot shows at once (endpoints, counts, scrapes)
+        self._cached: tuple[tuple[int, int], FleetSnapshot] | None = None
         self._endpoints: dict[str, Endpoint] = {}
         self._in_flight: Counter[str] = Counter()
         self._recent: Counter[str] = Counter()  # sent - finished since each replica's last successful scrape
@@ -50,6 +53,7 @@ class Fleet:
             if old is not None and old != endpoint:
                 log.info("endpoint changed key=%s url=%s accepting=%s", key, endpoint.url, endpoint.accepting)
         self._endpoints = new
+        self._version += 1
         for key in sorted(removed):
             log.info("endpoint removed key=%s", key)
             self.health.forget(key)
@@ -65,13 +69,24 @@ class Fleet:
         return list(self._endpoints.values())
 
     def snapshot(self) -> FleetSnapshot:
-        """An immutable view of every endpoint with its metrics, models and in-flight count."""
+        """An immutable view of every endpoint with its metrics, models and in-flight count.
+
+        One request asks for it more than once (admission, then the pick) and a queue dispatching many
+        asks in a row: a view is reused while nothing it shows changed and it is under _REUSE_S old
+        (time-driven changes, staleness by age and breakers reopening, are slower than that).
+        """
+        version = (self._version, self.health.version)
+        now = self._clock()
+        if self._cached is not None and self._cached[0] == version and now - self._cached[1].now < _REUSE_S:
+            return self._cached[1]
         states = tuple(
             EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
                           models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key])
             for key, e in self._endpoints.items()
         )
-        return FleetSnapshot(endpoints=states, now=self._clock())
+        snapshot = FleetSnapshot(endpoints=states, now=now)
+        self._cached = (version, snapshot)
+        return snapshot
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""
@@ -79,6 +94,7 @@ class Fleet:
 
     def scraped(self, key: str, ok: bool) -> None:
         """A scrape of `key` finished: a fresh one already counts what was sent and finished before it."""
+        self._version += 1  # new metrics, and staleness may have changed
         if ok:
             self._recent.pop(key, None)
 
@@ -86,11 +102,13 @@ class Fleet:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""
         self._in_flight[key] += 1
         self._recent[key] += 1
+        self._version += 1
 
     def release(self, key: str) -> None:
         """Count a request to `key` as finished."""
         self._in_flight[key] -= 1
         self._recent[key] -= 1
+        self._version += 1
         if self._in_flight[key] <= 0:
             del self._in_flight[key]
 

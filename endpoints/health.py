@@ -31,6 +31,7 @@ class PassiveHealth:
         self._max = max_backoff_s
         self._clock = clock
         self._breakers: dict[str, _Breaker] = {}
+        self.version = 0  # bumped whenever a breaker opens or closes, so cached views know to refresh
 
     def healthy(self, key: str) -> bool:
         """False while the replica's breaker is open."""
@@ -47,13 +48,17 @@ class PassiveHealth:
         if half_open or breaker.failures >= self._threshold:
             breaker.backoff = min(self._max, breaker.backoff * 2 if half_open else self._base)
             breaker.open_until = self._clock() + breaker.backoff
+            self.version += 1
             log.warning("replica out of rotation key=%s kind=%s failures=%d backoff_s=%.1f", key, kind,
                         breaker.failures, breaker.backoff)
 
     def success(self, key: str) -> None:
         """The replica answered: close its breaker."""
         breaker = self._breakers.pop(key, None)
-        if breaker is not None and breaker.backoff > 0:
+        if breaker is None:
+            return
+        self.version += 1
+        if breaker.backoff > 0:
             log.info("replica back in rotation key=%s", key)
 
     def forget(self, key: str) -> None:
