@@ -21,7 +21,7 @@ class Fleet:
     """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
 
     def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, seats: int = 0) -> None:
         self._metrics = metrics
         self._models = models
         self.health = PassiveHealth(clock=clock)
@@ -31,6 +31,10 @@ class Fleet:
         self._endpoints: dict[str, Endpoint] = {}
         self._in_flight: Counter[str] = Counter()
         self._recent: Counter[str] = Counter()  # sent - finished since each replica's last successful scrape
+        self._sends: Counter[str] = Counter()  # requests ever sent to each replica
+        self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
+        self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
+        self._seats: dict[str, int] = {}  # learned seat counts
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -58,6 +62,9 @@ class Fleet:
             log.info("endpoint removed key=%s", key)
             self.health.forget(key)
             self._recent.pop(key, None)
+            self._sends.pop(key, None)
+            self._sends_at_scrape.pop(key, None)
+            self._seats.pop(key, None)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -81,7 +88,8 @@ class Fleet:
             return self._cached[1]
         states = tuple(
             EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
-                          models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key])
+                          models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
+                          seats=self._configured_seats or self._seats.get(key))
             for key, e in self._endpoints.items()
         )
         snapshot = FleetSnapshot(endpoints=states, now=now)
@@ -92,16 +100,41 @@ class Fleet:
         """How many endpoints may take new requests."""
         return sum(1 for e in self._endpoints.values() if e.accepting)
 
+    def scrape_started(self, key: str) -> None:
+        """A scrape of `key` starts: what was sent and finished before now is in the page it will read."""
+        self._sends_at_scrape[key] = self._sends[key]
+
     def scraped(self, key: str, ok: bool) -> None:
-        """A scrape of `key` finished: a fresh one already counts what was sent and finished before it."""
+        """A scrape of `key` finished: a fresh one already counts what was sent and finished before it started.
+
+        What happened while it was in flight may or may not be in the page: requests sent then still
+        count as sent (perhaps twice), requests finished then as finished before it (perhaps early), so
+        the estimate of what the replica holds errs high, never low.
+        """
         self._version += 1  # new metrics, and staleness may have changed
+        started_at = self._sends_at_scrape.pop(key, self._sends[key])
         if ok:
-            self._recent.pop(key, None)
+            self._recent[key] = self._sends[key] - started_at
+            self._learn_seats(key, self._metrics(key))
+
+    def _learn_seats(self, key: str, metrics: ReplicaMetrics) -> None:
+        """Learn a replica's seat count, which vLLM does not export, from its running count under a queue.
+
+        A queue means every seat was taken (or the KV cache was full), so the running count then is what
+        the replica holds at once. Once known it only grows: a lone arrival between two engine steps can
+        make it low, and the headroom lets one request past a learned count so a real one shows.
+        """
+        if metrics.waiting > 0 or key in self._seats:
+            seats = max(self._seats.get(key, 0), metrics.running)
+            if seats and seats != self._seats.get(key):
+                log.info("replica seats learned key=%s seats=%d", key, seats)
+                self._seats[key] = seats
 
     def acquire(self, key: str) -> None:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""
         self._in_flight[key] += 1
         self._recent[key] += 1
+        self._sends[key] += 1
         self._version += 1
 
     def release(self, key: str) -> None:

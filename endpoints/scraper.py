@@ -18,6 +18,7 @@ log = logging.getLogger(__name__)
 
 ResultListener = Callable[[str, bool, float], None]  # (endpoint key, scrape succeeded, duration in seconds)
 RoundListener = Callable[[], None]
+StartListener = Callable[[str], None]  # (endpoint key)
 
 
 class MetricsScraper:
@@ -48,6 +49,7 @@ class MetricsScraper:
         self._outages = OutageLog(log, "metrics scrape")
         self._result_listeners: list[ResultListener] = []
         self._round_listeners: list[RoundListener] = []
+        self._start_listeners: list[StartListener] = []
 
     def set_endpoints(self, endpoints: Sequence[Endpoint]) -> None:
         """Scrape exactly these endpoints from the next round on; forget the metrics of the ones gone."""
@@ -69,6 +71,10 @@ class MetricsScraper:
         """Call `listener(key, ok, duration_s)` after every scrape of every endpoint (gateway metrics)."""
         self._result_listeners.append(listener)
 
+    def add_start_listener(self, listener: StartListener) -> None:
+        """Call `listener(key)` as every scrape of every endpoint starts (to tell what its page may include)."""
+        self._start_listeners.append(listener)
+
     def add_round_listener(self, listener: RoundListener) -> None:
         """Call `listener()` after every round, once all its scrapes finished or timed out."""
         self._round_listeners.append(listener)
@@ -88,6 +94,8 @@ class MetricsScraper:
             _notify(listener)
 
     async def _scrape(self, endpoint: Endpoint) -> None:
+        for listener in self._start_listeners:
+            _notify(listener, endpoint.key)
         started = time.perf_counter()
         try:
             page = await fetch_body(self._session, endpoint.url + "/metrics", self._timeout_s)

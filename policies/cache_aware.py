@@ -6,7 +6,8 @@
    prompt cached everywhere says nothing about where to go), the weighted scorers decide
    ("prefix_hit", or "overflow" when the replica holding the most was over the cap).
 3. Cold: otherwise the first eligible replica in the rendezvous order of the prompt's placement key
-   ("cold", or "overflow" when the rendezvous home was over the cap). The key is the chained hash
+   ("cold", or "overflow" when the rendezvous home was over the cap or had no free seat while another
+   one had: a request no cache favours never waits for a seat). The key is the chained hash
    `affinity_blocks` blocks past the part every candidate holds, so distinct prompts behind a
    common system prompt spread by what follows it.
 A hot prefix whose holders are full therefore spills to the next replica in its own rendezvous
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from endpoints.model import EndpointState, FleetSnapshot
 from policies.config import RoutingConfig
+from policies.filters import FreeSeatFilter
 from policies.framework import Cycle
 from policies.prefix_index import PrefixIndex, index_capacity_blocks
 from policies.profile import build_profile
@@ -32,6 +34,7 @@ class CacheAwarePolicy:
     def __init__(self, config: RoutingConfig) -> None:
         self._config = config
         self._profile = build_profile(config)
+        self._seated = FreeSeatFilter()
         self.index = PrefixIndex(config.index_max_total_blocks)
 
     def pick(self, request: RequestInfo, fleet: FleetSnapshot) -> Decision | None:
@@ -49,7 +52,7 @@ class CacheAwarePolicy:
         if best_eligible > shared:
             overflowed = max(matched.values()) > best_eligible
             return self._decision(cycle, self._profile.rank(cycle, eligible), "overflow" if overflowed else "prefix_hit")
-        ranked = rendezvous_order(cycle.placement_key, eligible)
+        ranked = rendezvous_order(cycle.placement_key, self._seated.filter(cycle, eligible))
         home = rendezvous_order(cycle.placement_key, candidates)[0]
         return self._decision(cycle, ranked, "cold" if ranked[0].key == home.key else "overflow")
 

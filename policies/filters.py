@@ -33,3 +33,17 @@ class BoundedLoadFilter:
             return ()
         cap = load_cap(candidates, self.load_bound)
         return tuple(state for state in candidates if state.load < cap)
+
+
+class FreeSeatFilter:
+    """Keeps the candidates with a free seat, or an unknown seat count, when there are any; else all of them.
+
+    A request sent to a replica whose seats are all taken waits in its queue until another one finishes.
+    """
+
+    name = "free-seat"
+
+    def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
+        """Candidates that can start the request at once, or every candidate when none can."""
+        seated = tuple(state for state in candidates if state.free_seats != 0)
+        return seated or tuple(candidates)

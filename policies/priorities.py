@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -61,6 +62,8 @@ class SaturationThresholds:
     queue: int = 5
     kv_cache: float = 0.8
     in_flight: int = 0
+    seats: int = 0  # sequences each replica runs at once (vLLM --max-num-seqs); 0 = learn it from /metrics
+    seated_queue: int = 0  # with a replica's seats known, requests that may wait inside it; the rest wait in kvgate
 
 
 def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
@@ -69,7 +72,9 @@ def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
     Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
     (a replica too busy to answer /metrics, say) count only what was sent since the last good scrape: a
     failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
-    replica never scraped fails open.
+    replica never scraped fails open. With the replica's seats known, requests beyond its seats and
+    `seated_queue` wait in kvgate's queue, which orders them by priority and hands each the first seat that
+    frees up anywhere, instead of in the replica's own queue.
     """
     room = float("inf")
     metrics = state.metrics
@@ -79,11 +84,31 @@ def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
         if limits.queue:
             waiting = max(0, state.recent) if metrics.stale else state.estimated_waiting
             room = max(0.0, limits.queue - waiting)
+    if state.seats:
+        # A learned seat count may be low; one request past it lets the replica show more (endpoints/fleet.py).
+        inside = limits.seated_queue if limits.seats else max(1, limits.seated_queue)
+        room = min(room, max(0.0, state.seats + inside - state.occupied))
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
     return room
 
 
-def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds) -> float:
-    """Requests the candidates take before every one is saturated; 0 means the fleet is saturated."""
-    return sum(headroom(state, limits) for state in candidates)
+def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0) -> float:
+    """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
+
+    `reserve` is the share of the candidates' seats that must stay free for more important classes,
+    pooled over the fleet because a request that needs a seat is routed to whichever replica has one. A
+    class keeping a reserve sends a replica whose seats are unknown one request at a time past its last
+    scraped queue: enough to fill it and show its seat count, never a queue that others wait behind.
+    """
+    if reserve <= 0:
+        return sum(headroom(state, limits) for state in candidates)
+    seated = [state for state in candidates if state.seats]
+    room = sum(min(headroom(state, limits), max(0, 1 - state.estimated_waiting))
+               for state in candidates if not state.seats)
+    if seated:
+        seats = sum(state.seats or 0 for state in seated)
+        kept = min(math.ceil(reserve * seats), seats - 1)  # never every seat: the class would starve
+        free = sum(state.free_seats or 0 for state in seated) - kept
+        room += min(sum(headroom(state, limits) for state in seated), max(0, free))
+    return room

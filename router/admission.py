@@ -3,7 +3,9 @@
 Strict priority between classes, FIFO within one. The queue releases requests as the fleet drains: when a
 request finishes and after every metrics scrape it recomputes how many more requests the replicas take before
 they are saturated (policies.priorities.fleet_headroom, which counts what was sent and finished since each
-scrape), less those already released but not yet sent. Lower classes get a minimum share of dispatches so
+scrape), less those already released but not yet sent. While a more important class has traffic, a class with
+a reserve leaves that share of every replica's seats free for it, so an interactive request finds a seat at
+once instead of waiting for a batch request to finish. Lower classes get a minimum share of dispatches so
 they are never starved; under overflow the newest request of the least important class is shed first, with
 429 and Retry-After.
 """
@@ -36,6 +38,8 @@ class AdmissionConfig:
     max_wait: Mapping[str, float] = field(default_factory=lambda: {"interactive": 30.0, "batch": 600.0})
     min_share: float = 0.05  # of dispatches that go to a waiting lower class while higher ones wait
     retry_after_s: int = 2
+    reserve: Mapping[str, float] = field(default_factory=lambda: {"batch": 0.05})  # share of seats kept free
+    reserve_idle_s: float = 10.0  # a class's reserve is lifted after this long without a more important request
 
 
 @dataclass(eq=False)
@@ -53,8 +57,9 @@ def _dispatched(waiter: _Waiter) -> bool:
 class AdmissionQueue:
     """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
 
-    def __init__(self, config: AdmissionConfig, priorities: PriorityConfig, fleet_headroom: Callable[[str], float],
-                 metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
+                 fleet_headroom: Callable[[str, float], float], metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._classes = priorities.classes
         self._fleet_headroom = fleet_headroom
@@ -63,6 +68,7 @@ class AdmissionQueue:
         self._queues: dict[str, list[deque[_Waiter]]] = {}  # model -> one FIFO per class
         self._pending: Counter[str] = Counter()  # model -> released from the queue, not yet sent to a replica
         self._since_low: dict[str, int] = {}  # model -> dispatches from a higher class while a lower one waited
+        self._last_seen: dict[str, list[float]] = {}  # model -> when a request of each class last arrived
         self._count = 0
         self._bytes = 0
 
@@ -70,7 +76,8 @@ class AdmissionQueue:
         """Return when the request may go to a replica; raise GatewayError(429) when it is shed."""
         rank = self._classes.index(info.priority_class)
         model = info.model
-        if not self._waiting(model) and self._has_room(model):
+        self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
+        if not self._waiting(model, rank) and self._has_room(model, rank):
             self._metrics.admitted.labels(info.priority_class, "direct").inc()
             return
         waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future())
@@ -112,11 +119,21 @@ class AdmissionQueue:
                        for model, queues in self._queues.items()},
         }
 
-    def _waiting(self, model: str) -> bool:
-        return any(self._queues.get(model, ()))
+    def _waiting(self, model: str, rank: int | None = None) -> bool:
+        """Whether requests of `model` wait: of any class, or of class `rank` and those above it."""
+        queues = self._queues.get(model, ())
+        return any(queues if rank is None else queues[:rank + 1])
 
-    def _has_room(self, model: str) -> bool:
-        return self._fleet_headroom(model) - self._pending[model] >= 1
+    def _has_room(self, model: str, rank: int) -> bool:
+        return self._fleet_headroom(model, self._reserve(model, rank)) - self._pending[model] >= 1
+
+    def _reserve(self, model: str, rank: int) -> float:
+        """The share of seats class `rank` leaves free: its reserve while a more important class has traffic."""
+        share = self._config.reserve.get(self._classes[rank], 0.0)
+        if not share or not rank:
+            return 0.0
+        recent = self._clock() - self._config.reserve_idle_s
+        return share if any(seen > recent for seen in self._last_seen.get(model, ())[:rank]) else 0.0
 
     def _enqueue(self, model: str, waiter: _Waiter) -> None:
         name = waiter.info.priority_class
@@ -161,10 +178,12 @@ class AdmissionQueue:
             del self._queues[model]
 
     def _dispatch(self, model: str) -> None:
-        """Release waiting requests of `model` while the fleet has room."""
-        while self._waiting(model) and self._has_room(model):
+        """Release waiting requests of `model` while the fleet has room for them."""
+        while self._waiting(model):
             queues = self._queues[model]
             rank = self._next_rank(model, queues)
+            if rank is None:
+                return
             waiter = queues[rank].popleft()
             self._forget(model, waiter)
             if waiter.future.done():
@@ -172,17 +191,24 @@ class AdmissionQueue:
             self._pending[model] += 1
             waiter.future.set_result(None)
 
-    def _next_rank(self, model: str, queues: list[deque[_Waiter]]) -> int:
-        """The most important non-empty class, except every 1/min_share-th dispatch, which goes to a lower one."""
+    def _next_rank(self, model: str, queues: list[deque[_Waiter]]) -> int | None:
+        """The class to dispatch from next, None while none has room.
+
+        The most important waiting class with room, except every 1/min_share-th dispatch while it waits:
+        that one goes to the longest-waiting lower class, which then takes the room of the one above it
+        (its reserve does not apply), so no class starves.
+        """
         ranks = [rank for rank, queue in enumerate(queues) if queue]
+        top = ranks[0]
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0
-            return ranks[0]
-        self._since_low[model] = self._since_low.get(model, 0) + 1
-        if self._since_low[model] >= 1 / self._config.min_share:
-            self._since_low[model] = 0
-            return min(ranks[1:], key=lambda rank: queues[rank][0].enqueued)  # the longest-waiting lower class
-        return ranks[0]
+        elif self._has_room(model, top):
+            self._since_low[model] = self._since_low.get(model, 0) + 1
+            if self._since_low[model] >= 1 / self._config.min_share:
+                self._since_low[model] = 0
+                return min(ranks[1:], key=lambda rank: queues[rank][0].enqueued)
+            return top
+        return next((rank for rank in ranks if self._has_room(model, rank)), None)
 
     def _shed_error(self, priority_class: str) -> GatewayError:
         return GatewayError(429, f"the fleet is saturated and the {priority_class} queue cannot take this request; "

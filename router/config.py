@@ -247,8 +247,9 @@ def _validate_priorities(config: GatewayConfig) -> None:
         if name not in classes:
             raise ConfigError(f"priorities.objectives: {objective!r} maps to unknown class {name!r}")
     saturation = config.saturation
-    if saturation.queue < 0 or saturation.in_flight < 0 or not 0 < saturation.kv_cache <= 1:
-        raise ConfigError("saturation: queue and in_flight must be >= 0 and kv_cache in (0, 1]")
+    if min(saturation.queue, saturation.in_flight, saturation.seats, saturation.seated_queue) < 0 \
+            or not 0 < saturation.kv_cache <= 1:
+        raise ConfigError("saturation: queue, in_flight, seats and seated_queue must be >= 0 and kv_cache in (0, 1]")
     admission = config.admission
     for name, bound in (*admission.class_max_requests.items(), *admission.max_wait.items()):
         if name not in classes:
@@ -259,6 +260,13 @@ def _validate_priorities(config: GatewayConfig) -> None:
         raise ConfigError("admission: max_requests, max_bytes and retry_after_s must be at least 1")
     if not 0 <= admission.min_share < 1:
         raise ConfigError(f"admission.min_share: must be in [0, 1), got {admission.min_share}")
+    for name, share in admission.reserve.items():
+        if name not in classes:
+            raise ConfigError(f"admission.reserve: names unknown class {name!r}")
+        if not 0 <= share < 1:
+            raise ConfigError(f"admission.reserve: the share for class {name!r} must be in [0, 1), got {share}")
+    if admission.reserve_idle_s < 0:
+        raise ConfigError(f"admission.reserve_idle_s: must not be negative, got {admission.reserve_idle_s}")
 
 
 def config_fields() -> list[dataclasses.Field]:

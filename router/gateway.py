@@ -86,11 +86,12 @@ class Gateway:
         self.scraper = MetricsScraper(poll_session, interval_s=config.scrape_interval,
                                       timeout_s=min(config.scrape_timeout, config.scrape_interval))
         self.models = ModelLister(poll_session, refresh_s=config.models_refresh)
-        self.fleet = Fleet(self.scraper.metrics, self.models.models)
+        self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats)
         self.fleet.on_endpoints(self.scraper.set_endpoints)
         self.fleet.on_endpoints(self.models.set_endpoints)
         self.fleet.on_removed(self.policy.forget)
         self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics)
+        self.scraper.add_start_listener(self.fleet.scrape_started)
         self.scraper.add_result_listener(lambda key, ok, _duration: self.fleet.scraped(key, ok))
         self.scraper.add_round_listener(self.admission.refresh)
         self.fleet.on_endpoints(lambda _endpoints: self.admission.refresh())
@@ -119,12 +120,12 @@ class Gateway:
             await proxy_session.close()
             await poll_session.close()
 
-    def _fleet_headroom(self, model: str) -> float:
-        """Requests `model`'s replicas take before all are saturated."""
+    def _fleet_headroom(self, model: str, reserve: float) -> float:
+        """Requests `model`'s replicas take before all are saturated, leaving `reserve` of their seats free."""
         assert self.fleet is not None
         candidates = self.fleet.snapshot().candidates(model)
         # With no candidate there is nothing to wait for: let the request through to its 503 at once.
-        return fleet_headroom(candidates, self.config.saturation) if candidates else float("inf")
+        return fleet_headroom(candidates, self.config.saturation, reserve) if candidates else float("inf")
 
     def serves(self, model: str) -> bool:
         """Whether some replica reports serving `model`."""
@@ -146,6 +147,7 @@ class Gateway:
             endpoints.append({
                 "key": state.key, "url": state.endpoint.url, "pool": state.endpoint.pool,
                 "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
+                "seats": state.seats, "occupied": state.occupied,
                 "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
                 "metrics": {
                     "stale": metrics.stale, "kv_cache_usage": metrics.kv_cache_usage, "running": metrics.running,

@@ -19,13 +19,16 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
 class Room:
-    """A settable fleet headroom."""
+    """A settable fleet headroom; `reserved` of it is closed to a class asked to leave a reserve."""
 
-    def __init__(self, free: float) -> None:
+    def __init__(self, free: float, reserved: float = 0) -> None:
         self.free = free
+        self.reserved = reserved
+        self.reserves: list[float] = []
 
-    def __call__(self, model: str) -> float:
-        return self.free
+    def __call__(self, model: str, reserve: float) -> float:
+        self.reserves.append(reserve)
+        return max(0.0, self.free - self.reserved) if reserve else self.free
 
 
 def queue_with(room: Room, **bounds) -> AdmissionQueue:
@@ -212,3 +215,45 @@ async def test_saturated_simulated_fleet_serves_interactive_first_and_completes_
     assert len(finished) == 9
     # Batch requests already queued in the gateway were still waiting when the interactive one finished.
     assert finished.index("interactive") < 6
+
+
+def reserving_queue(room: Room, now: list[float], **bounds) -> AdmissionQueue:
+    config = AdmissionConfig(reserve={"batch": 0.3}, reserve_idle_s=10.0, **bounds)
+    return AdmissionQueue(config, PriorityConfig(), room, GatewayMetrics(), clock=lambda: now[0])
+
+
+async def test_batch_leaves_the_reserve_free_only_while_interactive_traffic_is_recent() -> None:
+    now = [0.0]
+    room = Room(3, reserved=3)  # three places, all of them inside the reserve
+    queue = reserving_queue(room, now)
+    await asyncio.wait_for(queue.admit(info("batch", 0)), 1)  # no interactive traffic yet: no reserve
+    await asyncio.wait_for(queue.admit(info("interactive", 1)), 1)
+    waiting = asyncio.create_task(queue.admit(info("batch", 2)))
+    await asyncio.sleep(0)
+    assert queue.describe()["waiting"] == 1  # batch now leaves the reserve to interactive ...
+    await asyncio.wait_for(queue.admit(info("interactive", 3)), 1)  # ... which passes the waiting batch
+    now[0] = 9.0
+    queue.refresh()
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    now[0] = 14.0  # ten seconds without an interactive request: the reserve is lifted
+    queue.refresh()
+    await asyncio.wait_for(waiting, 1)
+    assert 0.3 in room.reserves and room.reserves[-1] == 0.0
+
+
+async def test_the_minimum_share_of_batch_may_use_the_reserve() -> None:
+    now = [0.0]
+    room = Room(0, reserved=1)
+    queue = reserving_queue(room, now, min_share=0.5)
+    order: list[int] = []
+    requests = [info("batch", 0), info("interactive", 1), info("interactive", 2), info("interactive", 3)]
+    tasks = await admit_all(queue, requests, order)
+    room.free = 1  # one place, inside the reserve: interactive's, except for batch's minimum share
+    for _ in range(3):
+        queue.release("m")
+        await asyncio.sleep(0)
+    assert order == [1, 0, 2]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

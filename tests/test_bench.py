@@ -36,19 +36,20 @@ def test_conversations_are_deterministic_and_zipf_favours_the_first_tenant() -> 
     assert max(uniform.count(t) for t in range(8)) < 2 * min(uniform.count(t) for t in range(8))
 
 
-def test_fleet_cache_holds_part_of_the_system_prompts_and_the_oracle_all_prefixes() -> None:
+def test_fleet_cache_holds_half_the_prefixes_in_play_and_the_oracle_all_prefixes() -> None:
     spec = WorkloadSpec()
     footprint = PrefixFootprint.of(spec, 16)
-    fleet = fleet_options(spec, SimOptions(), replicas=3, cache_fraction=0.5)
+    fleet = fleet_options(spec, SimOptions(), cache_fraction=0.5)
     oracle = oracle_options(spec, SimOptions())
-    assert footprint.all_system_prompts(spec) // 2 < fleet.num_gpu_blocks < footprint.all_system_prompts(spec)
+    in_play = footprint.all_system_prompts(spec) + spec.concurrency * footprint.history_blocks
+    assert fleet.num_gpu_blocks == -(-in_play // 2)
     assert oracle.num_gpu_blocks >= footprint.whole_workload(spec)
     assert oracle.max_num_seqs >= spec.concurrency
     assert fleet.max_model_len >= footprint.longest_request_tokens
 
 
 def test_sim_flags_rebuild_the_same_options() -> None:
-    options = fleet_options(QUICK_WORKLOAD, SimOptions(speed=2.0), replicas=3, cache_fraction=0.25)
+    options = fleet_options(QUICK_WORKLOAD, SimOptions(speed=2.0), cache_fraction=0.25)
     parser = argparse.ArgumentParser()
     add_sim_arguments(parser)
     assert sim_options_from_args(parser.parse_args(sim_flags(options))) == options

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from loadtest.priority.client import Outcome, run_open_loop
 from loadtest.priority.report import write_docs_section
-from loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, poisson_arrivals
+from loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
@@ -85,6 +85,23 @@ def test_poisson_schedule_stays_in_its_window_and_mixes_classes() -> None:
     batch = sum(1 for a in arrivals if a.priority == BATCH) / len(arrivals)
     assert 0.65 < batch < 0.75
     assert arrivals == poisson_arrivals(rate=200.0, duration=5.0, batch_fraction=0.7, seed=3)
+
+
+def test_the_flood_lands_on_interactive_traffic_already_flowing() -> None:
+    arrivals = poisson_arrivals(rate=200.0, duration=5.0, batch_fraction=0.7, seed=3, lead_in_s=2.0)
+    lead_in = [a for a in arrivals if a.at < 2.0]
+    assert lead_in and all(a.priority == INTERACTIVE and a.lead_in for a in lead_in)
+    assert 90 < len(lead_in) < 150  # the interactive share (30 %) of 200 req/s for two seconds
+    flood = [a for a in arrivals if a.at >= 2.0]
+    assert not any(a.lead_in for a in flood) and max(a.at for a in flood) < 7.0
+    assert [a.index for a in arrivals] == list(range(len(arrivals)))
+
+
+def test_output_lengths_vary_around_their_mean() -> None:
+    lengths = [output_tokens(index, 32) for index in range(2000)]
+    assert min(lengths) == 16 and max(lengths) == 48
+    assert 31 < sum(lengths) / len(lengths) < 33
+    assert lengths == [output_tokens(index, 32) for index in range(2000)]
 
 
 async def _shed(request: web.Request) -> web.Response:

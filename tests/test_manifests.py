@@ -357,6 +357,8 @@ def test_gateway_config_file_is_accepted_by_kvgate(built: list[dict[str, Any]], 
     config = from_sources({"config": str(path)}, {"KVGATE_NAMESPACE": deployment["metadata"]["namespace"]})
     assert (config.discovery, config.service) == ("kubernetes", ("vllm",))
     assert config.namespace == deployment["metadata"]["namespace"]
+    vllm = container(find_obj(built, "Deployment", "vllm"), "vllm")
+    assert config.saturation.seats == int(cli_value(vllm["args"], "--max-num-seqs"))  # the seats kvgate assumes
 
 
 def test_grace_period_outlasts_prestop_and_drain(built: list[dict[str, Any]]) -> None:

@@ -55,9 +55,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--external", type=_external, action="append", default=[], metavar="NAME=TEMPLATE",
                         help="another router's command line; {workers} becomes the replica URLs separated by "
                              "spaces, {port} its listen port (repeatable)")
-    parser.add_argument("--cache-fraction", type=float, default=0.25,
-                        help="share of all tenants' system prompts one replica's KV cache holds, besides room for "
-                             "the conversations of its share of users")
+    parser.add_argument("--cache-fraction", type=float, default=0.5,
+                        help="share of the distinct prefixes in play (every tenant's system prompt and every open "
+                             "conversation) one replica's KV cache holds")
     parser.add_argument("--speed", type=float, default=1.0, help="simulator time compression")
     parser.add_argument("--docs", type=Path, help="also write the tables into this Markdown file's routing section")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")

@@ -41,7 +41,7 @@ class BenchSettings:
 
     def fleet_options(self) -> SimOptions:
         """Settings of each fleet replica."""
-        return fleet_options(self.workload, self.sim, self.replicas, self.cache_fraction)
+        return fleet_options(self.workload, self.sim, self.cache_fraction)
 
     def oracle_options(self) -> SimOptions:
         """Settings of the oracle replica."""

@@ -14,18 +14,21 @@ def _model_len(footprint: PrefixFootprint, block_size: int) -> int:
     return math.ceil(footprint.longest_request_tokens / block_size) * block_size
 
 
-def fleet_options(spec: WorkloadSpec, base: SimOptions, replicas: int, cache_fraction: float) -> SimOptions:
-    """Replica settings whose KV cache holds `cache_fraction` of the tenants' system prompts.
+def prefixes_in_play(spec: WorkloadSpec, block_size: int) -> int:
+    """Blocks of the distinct prefixes live at once: every tenant's system prompt and every open conversation."""
+    footprint = PrefixFootprint.of(spec, block_size)
+    return footprint.all_system_prompts(spec) + spec.concurrency * footprint.history_blocks
 
-    On top comes room for the conversations of the replica's share of users, so a router that keeps
-    each tenant on a few replicas finds its prefixes cached, while one that spreads every tenant
-    everywhere keeps evicting them.
+
+def fleet_options(spec: WorkloadSpec, base: SimOptions, cache_fraction: float) -> SimOptions:
+    """Replica settings whose KV cache holds `cache_fraction` of the distinct prefixes in play.
+
+    At one half, a router that keeps each tenant and conversation on one of three replicas finds its
+    prefixes cached, while one that spreads every tenant everywhere keeps evicting them.
     """
     footprint = PrefixFootprint.of(spec, base.block_size)
     model_len = _model_len(footprint, base.block_size)
-    live_conversations = math.ceil(spec.concurrency / replicas)
-    blocks = math.ceil(cache_fraction * footprint.all_system_prompts(spec)) + live_conversations * footprint.history_blocks
-    blocks = max(blocks, model_len // base.block_size)
+    blocks = max(math.ceil(cache_fraction * prefixes_in_play(spec, base.block_size)), model_len // base.block_size)
     return dataclasses.replace(
         base,
         models=(spec.model,),

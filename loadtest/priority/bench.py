@@ -36,6 +36,7 @@ class Plan:
     unloaded_fraction: float = 0.2  # of capacity, interactive only
     overload_factor: float = 2.0  # offered load against capacity
     batch_fraction: float = 0.7
+    lead_in_s: float = 5.0  # interactive traffic alone before the batch flood starts
     seed: int = 1
 
     @property
@@ -59,19 +60,19 @@ class Plan:
 
 
 async def _run(plan: Plan, target: Services, key: str, title: str, rate: float, duration: float,
-               batch_fraction: float, seed: int) -> RunResult:
+               batch_fraction: float, seed: int, lead_in_s: float = 0.0) -> RunResult:
     """One open-loop run against `target`, its queues sampled while the load is on."""
-    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed)
+    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
     probe = QueueProbe(target.gateway_url, target.replica_urls)
     probing = asyncio.create_task(probe.run())
-    asyncio.get_running_loop().call_later(duration, probing.cancel)
+    asyncio.get_running_loop().call_later(lead_in_s + duration, probing.cancel)
     try:
         samples = await run_open_loop(target.gateway_url, arrivals, plan.body_for, plan.drain_cap_s)
     finally:
         probing.cancel()
         await asyncio.gather(probing, return_exceptions=True)
     counters = await admission_counters(target.gateway_url)
-    return summarise(key, title, rate, duration, samples, probe.summary(), counters)
+    return summarise(key, title, rate, duration, samples, probe.summary(), counters, lead_in_s)
 
 
 async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[str, Any]:
@@ -91,7 +92,7 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[s
         async with services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(plan.sim),
                             log_dir) as target:
             run = await _run(plan, target, key, row.title, plan.overload_factor * capacity,
-                             plan.overload_s, plan.batch_fraction, plan.seed + 1)
+                             plan.overload_s, plan.batch_fraction, plan.seed + 1, plan.lead_in_s)
         runs.append(run)
         progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
                  f"shed {run.batch.shed} lost {run.lost}, wall {run.wall_s} s, replica queue mean "

@@ -42,6 +42,7 @@ class Sample:
     finished_at: float | None = None  # end of the response, after the run's start
     retry_after: str | None = None
     detail: str = ""
+    lead_in: bool = False  # sent before the flood (workload.Arrival.lead_in)
 
 
 def _has_content(event: dict) -> bool:
@@ -89,9 +90,11 @@ async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body:
     except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
         # A failure before any status is a request left without an answer; after it, a broken answer.
         outcome = Outcome.LOST if status is None else Outcome.ERROR
-        return Sample(arrival.priority, outcome, lag, detail=f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}")
+        return Sample(arrival.priority, outcome, lag, detail=f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}",
+                      lead_in=arrival.lead_in)
     end = loop.time()
-    return Sample(arrival.priority, outcome, lag, ttft, end - start, end - run_start, retry_after, detail)
+    return Sample(arrival.priority, outcome, lag, ttft, end - start, end - run_start, retry_after, detail,
+                  arrival.lead_in)
 
 
 async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float) -> list[Sample]:
@@ -116,7 +119,8 @@ async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
     unanswered = f"no response within the {drain_cap:.0f} s drain cap"
-    return [Sample(arrival.priority, Outcome.LOST, 0.0, detail=unanswered) if task in pending else task.result()
+    return [Sample(arrival.priority, Outcome.LOST, 0.0, detail=unanswered, lead_in=arrival.lead_in)
+            if task in pending else task.result()
             for arrival, task in zip(arrivals, tasks, strict=True)]
 
 

@@ -66,7 +66,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{meta['loadavg_1m'][1]}). Fleet: {plan['replicas']} simulated replicas (`kvgate sim`), "
         f"max_num_seqs {sim['max_num_seqs']}, speed {sim['speed']}, decode step {sim['decode_step_seconds']} s + "
         f"{sim['decode_seconds_per_seq']} s per running sequence; every request is a streamed chat completion of "
-        f"{plan['max_tokens']} tokens with its own prompt (no prefix reuse).",
+        f"{plan['max_tokens'] // 2} to {plan['max_tokens'] * 3 // 2} tokens (uniform, mean {plan['max_tokens']}) "
+        "with its own prompt (no prefix reuse).",
         "",
         f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
         f"always open directly against the replicas, {plan['capacity_s']} s); {capacity['derived_rps']} req/s from the "
@@ -75,10 +76,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
         f"Load: open loop, Poisson arrivals, each run on a fresh fleet and gateway. Unloaded: interactive only at "
         f"{plan['unloaded_fraction']:.0%} of capacity for {plan['unloaded_s']} s. Overload: {plan['overload_factor']}x "
-        f"capacity, {plan['batch_fraction']:.0%} batch (`x-priority: batch`), for {plan['overload_s']} s, then up to "
-        f"{plan['drain_cap_s']:.0f} s for open requests to finish (a request still open then counts as lost). "
-        f"TTFT is the time to the first content chunk. Batch req/s counts completed batch requests over the run "
-        f"including its drain. Replica queue: requests waiting inside the replicas (`/sim/stats`), kvgate queue: its "
+        f"capacity, {plan['batch_fraction']:.0%} batch (`x-priority: batch`), for {plan['overload_s']} s, after "
+        f"{plan['lead_in_s']} s of its interactive share alone (the flood lands on interactive traffic already "
+        f"flowing), then up to {plan['drain_cap_s']:.0f} s for open requests to finish (a request still open then "
+        f"counts as lost). TTFT is the time to the first content chunk, of requests sent during the flood; every "
+        f"request counts in ok / 429 / err / lost. Batch req/s counts completed batch requests from the flood's "
+        f"start to the end of its drain. Replica queue: requests waiting inside the replicas (`/sim/stats`), kvgate queue: its "
         f"admission queue, stale scrapes: share of samples where kvgate judged a replica on stale metrics "
         f"(headroom then counts only what was sent since the last good scrape); all sampled every 0.5 s while the load was on.",
         "",

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from loadtest.simulator import SimOptions
 
 # Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.
-NO_ADMISSION_FLAGS = ("--saturation-queue", "1000000", "--saturation-kv-cache", "1.0")
+NO_ADMISSION_FLAGS = ("--saturation-queue", "1000000", "--saturation-seated-queue", "1000000",
+                      "--saturation-kv-cache", "1.0", "--admission-reserve", "batch=0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,15 +21,15 @@ class RowSpec:
     policy: str = "cache-aware"
     admission: bool = True
     upstream_priority: bool = False  # kvgate sets vLLM's `priority`; the replicas order their queue by it
-    bound_in_flight: bool = False  # saturated at max_num_seqs requests in flight per replica, whatever scrapes say
+    seats_configured: bool = False  # kvgate is told the replicas' max_num_seqs instead of learning it from /metrics
 
     def gateway_flags(self, sim: SimOptions) -> list[str]:
         """`kvgate serve` flags of this row in front of replicas run with `sim`, besides listen and endpoints."""
         flags = ["--policy", self.policy]
         if not self.admission:
             flags += NO_ADMISSION_FLAGS
-        elif self.bound_in_flight:
-            flags += ["--saturation-in-flight", str(sim.max_num_seqs)]
+        elif self.seats_configured:
+            flags += ["--saturation-seats", str(sim.max_num_seqs)]
         if self.upstream_priority:
             flags += ["--upstream-priority", "true"]
         return flags
@@ -42,7 +43,7 @@ ADMISSION = RowSpec("a", "cache-aware + admission control")
 FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False)
 ROUND_ROBIN_FIFO = RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False)
 UPSTREAM_PRIORITY = RowSpec("d", "cache-aware + admission control + upstream priority", upstream_priority=True)
-BOUNDED_IN_FLIGHT = RowSpec("e", "as (d), and at most max_num_seqs in flight per replica", upstream_priority=True,
-                            bound_in_flight=True)
+SEATS_CONFIGURED = RowSpec("e", "as (d), with the replicas' max_num_seqs configured instead of learned",
+                           upstream_priority=True, seats_configured=True)
 
-ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, BOUNDED_IN_FLIGHT)}
+ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SEATS_CONFIGURED)}

@@ -31,9 +31,9 @@ class ClassStats:
 
     @classmethod
     def of(cls, samples: Sequence[Sample]) -> ClassStats:
-        """Summarise the samples of one class."""
+        """Summarise the samples of one class: every one counts, latencies only of those sent during the flood."""
         count = {outcome: sum(1 for s in samples if s.outcome is outcome) for outcome in Outcome}
-        ok = [s for s in samples if s.outcome is Outcome.OK]
+        ok = [s for s in samples if s.outcome is Outcome.OK and not s.lead_in]
         ttfts = [s.ttft for s in ok if s.ttft is not None]
         problem = next((s.detail for s in samples if s.outcome in (Outcome.ERROR, Outcome.LOST)), "")
         return cls(len(samples), count[Outcome.OK], count[Outcome.SHED], count[Outcome.ERROR], count[Outcome.LOST],
@@ -49,7 +49,7 @@ class RunResult:
     title: str
     offered_rps: float
     duration_s: float
-    wall_s: float  # from the first send to the last answer (the run plus its drain)
+    wall_s: float  # from the flood's start to the last answer (the run plus its drain)
     interactive: ClassStats
     batch: ClassStats
     send_lag_p99_ms: float  # how far the generator fell behind its schedule
@@ -79,9 +79,9 @@ class RunResult:
 
 
 def summarise(key: str, title: str, offered_rps: float, duration_s: float, samples: Sequence[Sample],
-              queues: QueueSummary, gateway: dict[str, float]) -> RunResult:
-    """Build a run's result from its samples."""
-    ends = [s.finished_at for s in samples if s.finished_at is not None]
+              queues: QueueSummary, gateway: dict[str, float], lead_in_s: float = 0.0) -> RunResult:
+    """Build a run's result from its samples; times count from the flood's start, `lead_in_s` into the run."""
+    ends = [s.finished_at - lead_in_s for s in samples if s.finished_at is not None]
     return RunResult(
         key, title, round(offered_rps, 1), duration_s, round(max(ends, default=duration_s), 2),
         ClassStats.of([s for s in samples if s.priority == INTERACTIVE]),

@@ -19,23 +19,38 @@ class Arrival:
     index: int
     at: float
     priority: str
+    lead_in: bool = False  # sent before the flood, while interactive traffic alone was flowing
 
 
-def poisson_arrivals(rate: float, duration: float, batch_fraction: float, seed: int) -> list[Arrival]:
-    """Arrivals of a Poisson process at `rate` req/s over `duration` seconds, each batch with `batch_fraction`."""
+def poisson_arrivals(rate: float, duration: float, batch_fraction: float, seed: int,
+                     lead_in_s: float = 0.0) -> list[Arrival]:
+    """Arrivals of a Poisson process at `rate` req/s over `duration` seconds, each batch with `batch_fraction`.
+
+    The first `lead_in_s` seconds carry the interactive share alone, so the batch flood arrives on top of
+    interactive traffic that is already flowing, as it does on a fleet sized for interactive load.
+    """
     rng = random.Random(seed)
     arrivals: list[Arrival] = []
     at = rng.expovariate(rate)
-    while at < duration:
+    while at < lead_in_s + duration:
         priority = BATCH if rng.random() < batch_fraction else INTERACTIVE
-        arrivals.append(Arrival(len(arrivals), at, priority))
+        if at >= lead_in_s or priority == INTERACTIVE:
+            arrivals.append(Arrival(len(arrivals), at, priority, lead_in=at < lead_in_s))
         at += rng.expovariate(rate)
     return arrivals
 
 
+def output_tokens(index: int, mean: int) -> int:
+    """Request `index`'s output length: uniform over mean/2 .. 3 mean/2, as real answers vary (fixed per index)."""
+    return random.Random(index).randint(mean // 2, mean + mean // 2)
+
+
 def request_body(model: str, index: int, prompt_words: int, max_tokens: int) -> bytes:
-    """A streamed chat completion whose prompt differs from the first word, so no request hits another's cache."""
+    """A streamed chat completion whose prompt differs from the first word, so no request hits another's cache.
+
+    `max_tokens` is the mean output length; each request's own varies around it (output_tokens).
+    """
     words = " ".join(_PROMPT_WORDS[(index + i) % len(_PROMPT_WORDS)] for i in range(prompt_words))
     body = {"model": model, "messages": [{"role": "user", "content": f"request {index}: {words}"}],
-            "max_tokens": max_tokens, "stream": True}
+            "max_tokens": output_tokens(index, max_tokens), "stream": True}
     return orjson.dumps(body)
