@@ -2,14 +2,17 @@
 
 1. Bounded load: a candidate whose load is at the CHWBL cap (policies/filters.py) gets no new work;
    if every one is (only possible with load_bound < 1), the least loaded is taken ("fallback").
-2. Hot: when some eligible replica holds more of the prompt than every candidate does (a system
-   prompt cached everywhere says nothing about where to go), the weighted scorers decide
-   ("prefix_hit", or "overflow" when the replica holding the most was over the cap).
+2. Hot: when some eligible replica holds more of the prompt than every candidate does and more than
+   its anchor (a system prompt cached everywhere says nothing about where to go, and the anchor is
+   what cold placement already follows), the weighted scorers decide ("prefix_hit", or "overflow"
+   when the replica holding the most was over the cap).
 3. Cold: otherwise the first eligible replica in the rendezvous order of the prompt's placement key
    ("cold", or "overflow" when the rendezvous home was over the cap or had no free seat while another
-   one had: a request no cache favours never waits for a seat). The key is the chained hash
+   one had: a request no cache favours never waits for a seat). The key is the chained hash at the
+   end of the request's anchor (a chat's first message, usually its system prompt: every gateway
+   sends a tenant's new conversations to one home, whatever it has seen), or, without an anchor,
    `affinity_blocks` blocks past the part every candidate holds, so distinct prompts behind a
-   common system prompt spread by what follows it.
+   common prefix spread by what follows it.
 A hot prefix whose holders are full therefore spills to the next replica in its own rendezvous
 order, which then holds it too: overflow concentrates instead of spraying the fleet.
 """
@@ -43,8 +46,10 @@ class CacheAwarePolicy:
         if not candidates:
             return None
         matched = {state.key: self.index.match(state.key, request.block_hashes) for state in candidates}
-        shared = min(matched.values())
-        cycle = Cycle(request, placement_key(request, shared + self._config.affinity_blocks), matched)
+        # The part no choice can gain from: held everywhere, or the anchor, which cold placement already follows.
+        shared = max(min(matched.values()), request.anchor_blocks)
+        depth = request.anchor_blocks or shared + self._config.affinity_blocks
+        cycle = Cycle(request, placement_key(request, depth), matched)
         eligible = self._profile.filter(cycle, candidates)
         if not eligible:
             return self._decision(cycle, least_loaded_order(cycle.placement_key, candidates), "fallback")

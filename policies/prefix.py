@@ -13,6 +13,10 @@ hash of all its bytes, so that short prompts still spread by content.
 
 Only the first `max_blocks` blocks are serialized and hashed, so the cost is bounded by
 `max_blocks * block_chars` bytes whatever the prompt's size.
+
+A chat request with more than one message also gets its anchor: the full blocks inside its first
+message (tools included), usually the system prompt its tenant's conversations share, or else the
+first user turn that every later turn of the conversation repeats. Cold placement keys on it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from xxhash import xxh3_64_digest, xxh3_64_intdigest
@@ -28,12 +32,19 @@ from xxhash import xxh3_64_digest, xxh3_64_intdigest
 from policies.config import RoutingConfig
 from policies.types import RequestInfo
 
-PromptPart = str | bytes | list[Any]  # text, pre-serialized bytes, or a list of token ids
+PromptPart = "str | bytes | list[Any] | _Anchor"  # text, pre-serialized bytes, token ids, or the anchor mark
 KINDS = ("chat", "completion", "embedding")
 TOKEN_BYTES = 4
 _SEPARATOR = "\x1e"  # between messages and between the prompts of a batch
 _FIELD_SEPARATOR = "\x1f"  # between a message's role, content and other fields
 _NON_TEXT_MARKER = b"\x1d"  # precedes the digest of an image, audio or other non-text part
+
+
+class _Anchor:
+    """Marks the end of a chat's first message among its prompt parts; serializes to nothing."""
+
+
+_ANCHOR = _Anchor()
 
 
 def prompt_parts(kind: str, body: dict[str, Any]) -> Iterator[PromptPart]:
@@ -53,7 +64,7 @@ def prompt_parts(kind: str, body: dict[str, Any]) -> Iterator[PromptPart]:
 
 def block_hashes(model: str, body: dict[str, Any], kind: str, config: RoutingConfig) -> tuple[int, ...]:
     """Chained hashes of the prompt's leading blocks (at most `config.max_blocks`)."""
-    return _hash_prompt(model, body, kind, config)[0]
+    return _hash_prompt(model, body, kind, config).hashes
 
 
 def build_request_info(
@@ -65,12 +76,13 @@ def build_request_info(
 ) -> RequestInfo:
     """Everything routing needs from a parsed body whose `model` the router has checked is a string."""
     model = body["model"]
-    hashes, prompt_chars = _hash_prompt(model, body, kind, config)
+    prompt = _hash_prompt(model, body, kind, config)
     return RequestInfo(
         model=model,
         priority_class=priority_class,
-        block_hashes=hashes,
-        prompt_chars=prompt_chars,
+        block_hashes=prompt.hashes,
+        anchor_blocks=prompt.anchor_bytes // config.block_chars,
+        prompt_chars=prompt.size,
         stream=body.get("stream") is True,
         body_bytes=body_bytes,
     )
@@ -92,18 +104,30 @@ def prefix_seed(model: str, cache_salt: object = None) -> int:
     return xxh3_64_intdigest(_utf8(model) + b"\x00" + _utf8(salt))
 
 
-def _hash_prompt(model: str, body: dict[str, Any], kind: str, config: RoutingConfig) -> tuple[tuple[int, ...], int]:
-    """Block hashes and total serialized size of the prompt."""
-    data, size = _leading_bytes(prompt_parts(kind, body), config.max_blocks * config.block_chars)
-    return chain_hashes(data, prefix_seed(model, body.get("cache_salt")), config.block_chars), size
+class _HashedPrompt(NamedTuple):
+    hashes: tuple[int, ...]
+    size: int  # of the whole serialized prompt, text in characters
+    anchor_bytes: int  # serialized bytes up to the anchor mark (0 without one), within the hashed bytes
 
 
-def _leading_bytes(parts: Iterator[PromptPart], limit: int) -> tuple[bytes, int]:
-    """The first `limit` bytes of the serialized parts, and the size of them all (text in characters)."""
+def _hash_prompt(model: str, body: dict[str, Any], kind: str, config: RoutingConfig) -> _HashedPrompt:
+    """Block hashes, total serialized size and anchor of the prompt."""
+    data, size, anchor = _leading_bytes(prompt_parts(kind, body), config.max_blocks * config.block_chars)
+    return _HashedPrompt(chain_hashes(data, prefix_seed(model, body.get("cache_salt")), config.block_chars), size,
+                         min(anchor, len(data)))
+
+
+def _leading_bytes(parts: Iterator[PromptPart], limit: int) -> tuple[bytes, int, int]:
+    """The first `limit` bytes of the serialized parts, the size of them all (text in characters) and the
+    number of bytes before the anchor mark (0 when there is none)."""
     pieces: list[bytes] = []
     kept = 0
     size = 0
+    anchor = 0
     for part in parts:
+        if isinstance(part, _Anchor):
+            anchor = kept
+            continue
         if isinstance(part, list):
             size += len(part) * TOKEN_BYTES
         else:
@@ -112,7 +136,7 @@ def _leading_bytes(parts: Iterator[PromptPart], limit: int) -> tuple[bytes, int]
             piece = _serialize(part, limit - kept)
             pieces.append(piece)
             kept += len(piece)
-    return b"".join(pieces)[:limit], size
+    return b"".join(pieces)[:limit], size, anchor
 
 
 def _serialize(part: PromptPart, room: int) -> bytes:
@@ -163,7 +187,9 @@ def _chat_parts(body: dict[str, Any]) -> Iterator[PromptPart]:
     tools = body.get("tools")
     if tools:
         yield _stable_json(tools)
-    for message in _dicts_in(body.get("messages")):
+    for position, message in enumerate(_dicts_in(body.get("messages"))):
+        if position == 1:
+            yield _ANCHOR
         role = message.get("role")
         yield _SEPARATOR
         yield role if isinstance(role, str) else ""

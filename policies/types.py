@@ -15,6 +15,7 @@ class RequestInfo:
     model: str
     priority_class: str = "interactive"
     block_hashes: tuple[int, ...] = ()  # chained xxhash64 of the prompt's fixed-size blocks
+    anchor_blocks: int = 0  # full blocks inside the first message when more follow: what a chat's turns share
     prompt_chars: int = 0
     stream: bool = False
     body_bytes: int = 0

@@ -226,6 +226,30 @@ def test_cache_aware_places_a_new_prefix_at_its_rendezvous_home() -> None:
         assert len(decision.fallbacks) == len(KEYS) - 1
 
 
+def tenant_chat(tenant: str, user: str) -> RequestInfo:
+    messages = [{"role": "system", "content": prompt(f"tenant-{tenant}", 20)}, {"role": "user", "content": user}]
+    return build_request_info("chat", {"model": "m", "messages": messages}, "interactive", CONFIG)
+
+
+def test_a_tenants_new_conversations_go_to_one_home_whatever_a_gateway_has_seen() -> None:
+    fleet = idle_fleet()
+    fresh, seasoned = build_policy("cache-aware", CONFIG), build_policy("cache-aware", CONFIG)
+    first = tenant_chat("t", "hello")
+    elsewhere = next(state for state in fleet.endpoints if state.key != home_of(first, fleet))
+    seasoned.record(first, elsewhere)  # this gateway once sent the tenant's system prompt somewhere else
+    homes = set()
+    for i in range(20):
+        req = tenant_chat("t", f"question {i}")
+        choices = {policy.pick(req, fleet).endpoint.key for policy in (fresh, seasoned)}
+        assert len(choices) == 1  # two gateways that never talked agree
+        homes |= choices
+    assert len(homes) == 1  # and the tenant's conversations share its cached system prompt
+    long_turn = tenant_chat("t", prompt("long question", 8))
+    seasoned.record(long_turn, elsewhere)
+    decision = seasoned.pick(long_turn, fleet)  # where its history is cached beyond the system prompt
+    assert (decision.reason, decision.endpoint.key) == ("prefix_hit", elsewhere.key)
+
+
 def test_cache_aware_follows_the_replica_that_holds_the_prefix() -> None:
     policy = build_policy("cache-aware", CONFIG)
     fleet = idle_fleet()

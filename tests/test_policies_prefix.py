@@ -184,6 +184,23 @@ def test_build_request_info_fills_every_field() -> None:
     assert build_request_info("completion", {**body, "stream": "yes"}, "batch", CONFIG).stream is False
 
 
+def test_a_chats_anchor_is_the_full_blocks_of_its_first_message() -> None:
+    system = {"role": "system", "content": text_of(10.5)}
+    turns = [{"role": "user", "content": text_of(3, "u")}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": text_of(2, "v")}]
+    first = build_request_info("chat", chat([system, turns[0]]), "interactive", CONFIG)
+    later = build_request_info("chat", chat([system, *turns]), "interactive", CONFIG)
+    assert first.anchor_blocks == later.anchor_blocks == 10  # "\x1esystem\x1f" + 10.5 blocks of text
+    assert first.block_hashes[:10] == later.block_hashes[:10]
+    alone = build_request_info("chat", chat([system]), "interactive", CONFIG)
+    assert alone.anchor_blocks == 0  # nothing follows the first message: no conversation to anchor
+    prompt = build_request_info("completion", {"model": "m", "prompt": text_of(12)}, "interactive", CONFIG)
+    assert prompt.anchor_blocks == 0
+    capped = build_request_info("chat", chat([{"role": "system", "content": text_of(300)}, turns[0]]), "batch",
+                                CONFIG)
+    assert capped.anchor_blocks == len(capped.block_hashes) == CONFIG.max_blocks  # never past what was hashed
+
+
 def test_unknown_kind_is_a_programming_error() -> None:
     assert "chat" in KINDS
     with pytest.raises(ValueError, match="unknown request kind"):
