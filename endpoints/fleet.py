@@ -35,6 +35,7 @@ class Fleet:
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats: dict[str, int] = {}  # learned seat counts
+        self._queued: set[str] = set()  # replicas whose last successful scrape showed a waiting queue
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -65,6 +66,7 @@ class Fleet:
             self._sends.pop(key, None)
             self._sends_at_scrape.pop(key, None)
             self._seats.pop(key, None)
+            self._queued.discard(key)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -120,11 +122,17 @@ class Fleet:
     def _learn_seats(self, key: str, metrics: ReplicaMetrics) -> None:
         """Learn a replica's seat count, which vLLM does not export, from its running count under a queue.
 
-        A queue means every seat was taken (or the KV cache was full), so the running count then is what
-        the replica holds at once. Once known it only grows: a lone arrival between two engine steps can
-        make it low, and the headroom lets one request past a learned count so a real one shows.
+        A queue seen on two scrapes in a row means every seat was taken (or the KV cache was full; a lone
+        arrival between two engine steps waits for one step only), so the running count then is what the
+        replica holds at once. Once known it only grows: a replica never runs more than it has seats, and
+        the headroom lets one request past a learned count so that a low one corrects itself.
         """
-        if metrics.waiting > 0 or key in self._seats:
+        queued_twice = metrics.waiting > 0 and key in self._queued
+        if metrics.waiting > 0:
+            self._queued.add(key)
+        else:
+            self._queued.discard(key)
+        if queued_twice or key in self._seats:
             seats = max(self._seats.get(key, 0), metrics.running)
             if seats and seats != self._seats.get(key):
                 log.info("replica seats learned key=%s seats=%d", key, seats)

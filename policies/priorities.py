@@ -85,12 +85,17 @@ def headroom(state: EndpointState, limits: SaturationThresholds) -> float:
             waiting = max(0, state.recent) if metrics.stale else state.estimated_waiting
             room = max(0.0, limits.queue - waiting)
     if state.seats:
-        # A learned seat count may be low; one request past it lets the replica show more (endpoints/fleet.py).
-        inside = limits.seated_queue if limits.seats else max(1, limits.seated_queue)
+        inside = max(limits.seated_queue, _probe(limits))
         room = min(room, max(0.0, state.seats + inside - state.occupied))
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
     return room
+
+
+def _probe(limits: SaturationThresholds) -> int:
+    """Requests let past a replica's seat count: one when the count is learned, since it may be low and only
+    a replica running more than it shows more (endpoints/fleet.py); none when the operator configured it."""
+    return 0 if limits.seats else 1
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0) -> float:

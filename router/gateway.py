@@ -160,7 +160,7 @@ class Gateway:
                 "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
                 "queue": self.admission.describe() if self.admission else None}
 
-    def _endpoint_states(self) -> Iterator[tuple[str, bool, bool]]:
-        assert self.fleet is not None and self.scraper is not None
-        for endpoint in self.fleet.endpoints:
-            yield endpoint.key, endpoint.accepting, self.scraper.metrics(endpoint.key).stale
+    def _endpoint_states(self) -> Iterator[tuple[str, bool, bool, int | None]]:
+        assert self.fleet is not None
+        for state in self.fleet.snapshot().endpoints:
+            yield state.key, state.endpoint.accepting, state.metrics.stale, state.seats

@@ -61,7 +61,8 @@ class GatewayMetrics:
 class FleetCollector(Collector):
     """Reads discovery health, endpoint counts, scrape staleness and prefix index size at scrape time."""
 
-    def __init__(self, discovery: Callable[[], DiscoveryStatus], endpoint_states: Callable[[], Iterator[tuple[str, bool, bool]]],
+    def __init__(self, discovery: Callable[[], DiscoveryStatus],
+                 endpoint_states: Callable[[], Iterator[tuple[str, bool, bool, int | None]]],
                  index_blocks: Callable[[], int], index_bytes: Callable[[], int]) -> None:
         self._discovery = discovery
         self._endpoint_states = endpoint_states
@@ -81,14 +82,18 @@ class FleetCollector(Collector):
         endpoints = GaugeMetricFamily("kvgate_endpoints", "Known replicas by state", labels=["state"])
         stale = GaugeMetricFamily("kvgate_replica_metrics_stale", "1 when a replica's scraped metrics are stale",
                                   labels=["replica"])
+        seats = GaugeMetricFamily("kvgate_replica_seats", "Sequences a replica runs at once, configured or learned "
+                                  "(0 while unknown)", labels=["replica"])
         counts = {"accepting": 0, "not_accepting": 0}
-        for key, accepting, is_stale in self._endpoint_states():
+        for key, accepting, is_stale, seat_count in self._endpoint_states():
             counts["accepting" if accepting else "not_accepting"] += 1
             stale.add_metric([key], int(is_stale))
+            seats.add_metric([key], seat_count or 0)
         for state, count in counts.items():
             endpoints.add_metric([state], count)
         yield endpoints
         yield stale
+        yield seats
         yield GaugeMetricFamily("kvgate_prefix_index_blocks", "Prefix blocks held in the index, all replicas",
                                 value=self._index_blocks())
         yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",
