@@ -7,8 +7,6 @@ Run: python -m loadtest.bench_overhead [--quick] [--docs docs/benchmarks.md] [--
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import platform
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ from loadtest.overhead.profile import py_spy_path
 from loadtest.overhead.report import render_markdown, write_docs_section
 from loadtest.overhead.runs import Rig
 from loadtest.overhead.wrk import wrk_available
+from loadtest.run_meta import RunMeta
 
 BODY_BYTES = 4096
 LARGE_BODY_BYTES = 200 * 1024
@@ -89,7 +88,7 @@ def choose_generator(requested: str) -> str:
 
 def run_benchmark(plan: Plan, generator: str, quick: bool, profile: bool, scratch: Path) -> dict[str, Any]:
     """Start the rig, run every part, and return the report as JSON-ready data."""
-    load_before = os.getloadavg()[0]
+    run = RunMeta()
     rig = Rig(replicas=REPLICAS, policy=POLICY)
     try:
         rows = [rig.compare(name, spec, generator if closed else "python", plan.repeats).to_json()
@@ -104,11 +103,9 @@ def run_benchmark(plan: Plan, generator: str, quick: bool, profile: bool, scratc
                 spec = LoadSpec(**{**spec.to_json(), "duration_s": plan.profile_s})
                 found = rig.profile(spec, py_spy, scratch / f"profile-{n}.txt", "python" if spec.stream else generator)
                 profiles[label] = found.to_json() if found else None
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "quick": quick,
-                "cpus": os.cpu_count(), "pinning": rig.pinning(), "replicas": REPLICAS, "policy": POLICY,
-                "body_bytes": BODY_BYTES, "variants": LoadSpec(url="").variants, "closed_loop_generator": generator,
-                "python": platform.python_version(), "aiohttp": aiohttp.__version__,
-                "repeats": plan.repeats, "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+        meta = run.finish(quick=quick, pinning=rig.pinning(), replicas=REPLICAS, policy=POLICY, body_bytes=BODY_BYTES,
+                          variants=LoadSpec(url="").variants, closed_loop_generator=generator,
+                          python=platform.python_version(), aiohttp=aiohttp.__version__, repeats=plan.repeats)
     finally:
         rig.close()
     return {"meta": meta, "rows": rows, "stream_cpu": stream_cpu, "profiles": profiles}

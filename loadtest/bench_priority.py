@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import logging
-import os
 import shlex
 import sys
 import tempfile
@@ -23,6 +21,7 @@ from loadtest.bench.processes import ProcessError
 from loadtest.priority.bench import Plan, run_benchmark
 from loadtest.priority.report import render_markdown, write_docs_section
 from loadtest.priority.rows import ROWS
+from loadtest.run_meta import RunMeta
 from loadtest.simulator import SimOptions
 
 # Small enough for a 2-core machine: tens of requests per second, so the Python load generator keeps its schedule.
@@ -89,15 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     plan = plan_from_args(ns)
-    load_before = os.getloadavg()[0]
+    run = RunMeta()
     try:
         report = asyncio.run(_main(plan, ns.log_dir))
     except ProcessError as exc:
         print(f"bench_priority: {exc}", file=sys.stderr)
         return 1
-    report["meta"] = {"date": datetime.date.today().isoformat(), "cpus": os.cpu_count(),
-                      "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                      "command": shlex.join(["python", "-m", "loadtest.bench_priority", *_shown_args(args)])}
+    report["meta"] = run.finish(command=shlex.join(["python", "-m", "loadtest.bench_priority", *_shown_args(args)]))
     markdown = render_markdown(report)
     print(markdown)
     if ns.json:

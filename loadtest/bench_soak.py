@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import logging
-import os
 import shlex
 import sys
 import tempfile
@@ -21,6 +19,7 @@ import orjson
 
 from loadtest.bench.processes import ProcessError
 from loadtest.docs_section import write_docs_section
+from loadtest.run_meta import RunMeta
 from loadtest.simulator import SimOptions
 from loadtest.soak.load import LoadShape
 from loadtest.soak.report import SECTION, plot, render_markdown
@@ -85,17 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = build_parser().parse_args(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     plan = plan_from_args(ns)
-    load_before = os.getloadavg()[0]
+    run = RunMeta()
     try:
         report = asyncio.run(_run(plan, ns.log_dir))
     except ProcessError as exc:
         print(f"bench_soak: {exc}", file=sys.stderr)
         return 1
-    report["meta"] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "cpus": os.cpu_count(),
-        "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "command": _command(ns), "plot": str(ns.out / "soak.png"),
-    }
+    report["meta"] = run.finish(command=_command(ns), plot=str(ns.out / "soak.png"))
     ns.out.mkdir(parents=True, exist_ok=True)
     plot(report, ns.out / "soak.png")
     markdown = render_markdown(report)

@@ -32,12 +32,6 @@ from xxhash import xxh3_64_digest, xxh3_64_intdigest
 from policies.config import RoutingConfig
 from policies.types import RequestInfo
 
-PromptPart = "str | bytes | list[Any] | _Anchor"  # text, pre-serialized bytes, token ids, or the anchor mark
-KINDS = ("chat", "completion", "embedding")
-TOKEN_BYTES = 4
-_SEPARATOR = "\x1e"  # between messages and between the prompts of a batch
-_FIELD_SEPARATOR = "\x1f"  # between a message's role, content and other fields
-_NON_TEXT_MARKER = b"\x1d"  # precedes the digest of an image, audio or other non-text part
 
 
 class _Anchor:
@@ -45,6 +39,12 @@ class _Anchor:
 
 
 _ANCHOR = _Anchor()
+PromptPart = str | bytes | list[Any] | _Anchor  # text, pre-serialized bytes, token ids, or the anchor mark
+KINDS = ("chat", "completion", "embedding")
+TOKEN_BYTES = 4
+_SEPARATOR = "\x1e"  # between messages and between the prompts of a batch
+_FIELD_SEPARATOR = "\x1f"  # between a message's role, content and other fields
+_NON_TEXT_MARKER = b"\x1d"  # precedes the digest of an image, audio or other non-text part
 
 
 def prompt_parts(kind: str, body: dict[str, Any]) -> Iterator[PromptPart]:

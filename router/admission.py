@@ -192,23 +192,25 @@ class AdmissionQueue:
             waiter.future.set_result(None)
 
     def _next_rank(self, model: str, queues: list[deque[_Waiter]]) -> int | None:
-        """The class to dispatch from next, None while none has room.
+        """The class to dispatch from next, None while there is no room.
 
-        The most important waiting class with room, except every 1/min_share-th dispatch while it waits:
+        The most important waiting class, except every 1/min_share-th dispatch while a lower one waits:
         that one goes to the longest-waiting lower class, which then takes the room of the one above it
-        (its reserve does not apply), so no class starves.
+        (its reserve does not apply), so no class starves. A reserve only takes room away, so when the most
+        important class has none, no class has.
         """
         ranks = [rank for rank, queue in enumerate(queues) if queue]
         top = ranks[0]
+        if not self._has_room(model, top):
+            return None
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0
-        elif self._has_room(model, top):
-            self._since_low[model] = self._since_low.get(model, 0) + 1
-            if self._since_low[model] >= 1 / self._config.min_share:
-                self._since_low[model] = 0
-                return min(ranks[1:], key=lambda rank: queues[rank][0].enqueued)
             return top
-        return next((rank for rank in ranks if self._has_room(model, rank)), None)
+        self._since_low[model] = self._since_low.get(model, 0) + 1
+        if self._since_low[model] >= 1 / self._config.min_share:
+            self._since_low[model] = 0
+            return min(ranks[1:], key=lambda rank: queues[rank][0].enqueued)
+        return top
 
     def _shed_error(self, priority_class: str) -> GatewayError:
         return GatewayError(429, f"the fleet is saturated and the {priority_class} queue cannot take this request; "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -101,7 +101,7 @@ class Gateway:
                                    dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset())
         self.metrics.add_collector(FleetCollector(
             discovery=lambda: self.discovery.status,
-            endpoint_states=self._endpoint_states,
+            endpoint_states=lambda: self.fleet.snapshot().endpoints,
             index_blocks=lambda: sum(self.policy.index_sizes().values()),
             index_bytes=self.policy.index_bytes,
         ))
@@ -159,8 +159,3 @@ class Gateway:
         return {"draining": self.draining, "ready": self.ready()[0], "policy": self.policy.name,
                 "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
                 "queue": self.admission.describe() if self.admission else None}
-
-    def _endpoint_states(self) -> Iterator[tuple[str, bool, bool, int | None]]:
-        assert self.fleet is not None
-        for state in self.fleet.snapshot().endpoints:
-            yield state.key, state.endpoint.accepting, state.metrics.stale, state.seats

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from endpoints.discovery import DiscoveryStatus
+from endpoints.model import EndpointState
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -61,8 +62,7 @@ class GatewayMetrics:
 class FleetCollector(Collector):
     """Reads discovery health, endpoint counts, scrape staleness and prefix index size at scrape time."""
 
-    def __init__(self, discovery: Callable[[], DiscoveryStatus],
-                 endpoint_states: Callable[[], Iterator[tuple[str, bool, bool, int | None]]],
+    def __init__(self, discovery: Callable[[], DiscoveryStatus], endpoint_states: Callable[[], Iterable[EndpointState]],
                  index_blocks: Callable[[], int], index_bytes: Callable[[], int]) -> None:
         self._discovery = discovery
         self._endpoint_states = endpoint_states
@@ -85,10 +85,10 @@ class FleetCollector(Collector):
         seats = GaugeMetricFamily("kvgate_replica_seats", "Sequences a replica runs at once, configured or learned "
                                   "(0 while unknown)", labels=["replica"])
         counts = {"accepting": 0, "not_accepting": 0}
-        for key, accepting, is_stale, seat_count in self._endpoint_states():
-            counts["accepting" if accepting else "not_accepting"] += 1
-            stale.add_metric([key], int(is_stale))
-            seats.add_metric([key], seat_count or 0)
+        for state in self._endpoint_states():
+            counts["accepting" if state.endpoint.accepting else "not_accepting"] += 1
+            stale.add_metric([state.key], int(state.metrics.stale))
+            seats.add_metric([state.key], state.seats or 0)
         for state, count in counts.items():
             endpoints.add_metric([state], count)
         yield endpoints

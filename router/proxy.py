@@ -73,7 +73,9 @@ class Forwarder:
         self._metrics = metrics
         self._timeout = timeouts.client_timeout()
         self._retries = retries
-        self._dropped_headers = dropped_headers  # the gateway's own credentials never reach a replica
+        # The gateway's own credentials never reach a replica, nor Content-Encoding: the server already
+        # decoded a compressed request body, so what goes upstream is the plain body.
+        self._dropped_headers = frozenset(dropped_headers) | _DECODED
 
     def choose(self, parsed: ParsedRequest) -> Decision:
         """Pick a replica for the request; raises 503 when none can take it."""
@@ -89,8 +91,7 @@ class Forwarder:
     async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
                       outcome: Outcome) -> web.StreamResponse:
         """Proxy the request, retrying on another replica only while nothing reached the client."""
-        # The server already decoded a compressed request body: what goes upstream is the plain body.
-        headers = forwardable(request.headers, self._dropped_headers | _DECODED)
+        headers = forwardable(request.headers, self._dropped_headers)
         headers["x-request-id"] = outcome.request_id
         tried: list[str] = []
         target: EndpointState | None = decision.endpoint
