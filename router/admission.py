@@ -5,9 +5,11 @@ request finishes and after every metrics scrape it recomputes how many more requ
 they are saturated (policies.priorities.fleet_headroom, which counts what was sent and finished since each
 scrape), less those already released but not yet sent. While a more important class has traffic, a class with
 a reserve leaves that share of every replica's seats free for it, so an interactive request finds a seat at
-once instead of waiting for a batch request to finish. Lower classes get a minimum share of dispatches so
-they are never starved; under overflow the newest request of the least important class is shed first, with
-429 and Retry-After.
+once instead of waiting for a batch request to finish. A request of a preemptible class that can be
+preempted (router/preemption.py) keeps no reserve: when a more important request finds no free seat, one
+such request gives up its own and waits here again, at the head of its class. Lower classes get a minimum
+share of dispatches so they are never starved; under overflow the newest request of the least important
+class is shed first, with 429 and Retry-After.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from policies.priorities import PriorityConfig
 from policies.types import RequestInfo
 from router.errors import GatewayError
 from router.metrics import GatewayMetrics
+from router.preemption import PreemptionRegistry
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ class AdmissionConfig:
     retry_after_s: int = 2
     reserve: Mapping[str, float] = field(default_factory=lambda: {"batch": 0.05})  # share of seats kept free
     reserve_idle_s: float = 10.0  # a class's reserve is lifted after this long without a more important request
+    preemptible: tuple[str, ...] = ("batch",)  # classes whose non-streamed requests may give up their seat
+    max_preemptions: int = 3  # times one request may be preempted; after that it keeps its seat
 
 
 @dataclass(eq=False)
@@ -48,6 +53,7 @@ class _Waiter:
     rank: int  # index of its class, 0 = most important
     enqueued: float
     future: asyncio.Future[None]
+    preemptible: bool = False
 
 
 def _dispatched(waiter: _Waiter) -> bool:
@@ -58,12 +64,13 @@ class AdmissionQueue:
     """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
 
     def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
-                 fleet_headroom: Callable[[str, float], float], metrics: GatewayMetrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 fleet_headroom: Callable[[str, float, bool], float], metrics: GatewayMetrics,
+                 preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._classes = priorities.classes
-        self._fleet_headroom = fleet_headroom
+        self._fleet_headroom = fleet_headroom  # (model, reserve share, requests may wait inside replicas)
         self._metrics = metrics
+        self._preemption = preemption
         self._clock = clock
         self._queues: dict[str, list[deque[_Waiter]]] = {}  # model -> one FIFO per class
         self._pending: Counter[str] = Counter()  # model -> released from the queue, not yet sent to a replica
@@ -72,16 +79,31 @@ class AdmissionQueue:
         self._count = 0
         self._bytes = 0
 
-    async def admit(self, info: RequestInfo) -> None:
-        """Return when the request may go to a replica; raise GatewayError(429) when it is shed."""
+    def preemptible(self, info: RequestInfo, preemptions: int = 0) -> bool:
+        """Whether a request that was preempted `preemptions` times may be preempted again.
+
+        Only a non-streamed request of a preemptible class: a stream answers from its first token on.
+        """
+        return (self._preemption is not None and not info.stream and info.priority_class in self._config.preemptible
+                and preemptions < self._config.max_preemptions)
+
+    async def admit(self, info: RequestInfo, preemptions: int = 0) -> None:
+        """Return when the request may go to a replica; raise GatewayError(429) when it is shed.
+
+        A request coming back after `preemptions` > 0 preemptions queues at the head of its class, unbounded:
+        it was admitted once already.
+        """
         rank = self._classes.index(info.priority_class)
         model = info.model
-        self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
-        if not self._waiting(model, rank) and self._has_room(model, rank):
+        preemptible = self.preemptible(info, preemptions)
+        if not preemptions:
+            self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
+        if not self._waiting(model, rank) and self._has_room(model, rank, preemptible):
             self._metrics.admitted.labels(info.priority_class, "direct").inc()
             return
-        waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future())
-        self._enqueue(model, waiter)
+        waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future(), preemptible)
+        self._enqueue(model, waiter, requeued=preemptions > 0)
+        self._preempt_for(model)
         max_wait = self._config.max_wait.get(info.priority_class, 60.0)
         try:
             async with asyncio.timeout(max_wait):
@@ -124,8 +146,29 @@ class AdmissionQueue:
         queues = self._queues.get(model, ())
         return any(queues if rank is None else queues[:rank + 1])
 
-    def _has_room(self, model: str, rank: int) -> bool:
-        return self._fleet_headroom(model, self._reserve(model, rank)) - self._pending[model] >= 1
+    def _has_room(self, model: str, rank: int, preemptible: bool) -> bool:
+        """Whether the fleet takes one more request of class `rank`.
+
+        A preemptible request keeps no reserve, since it gives up its seat on demand; a request that may
+        preempt one takes only a free seat, never a place in a replica's queue behind a preemptible one.
+        """
+        reserve = 0.0 if preemptible else self._reserve(model, rank)
+        queue_inside = not self._may_preempt(model, rank)
+        return self._fleet_headroom(model, reserve, queue_inside) - self._pending[model] >= 1
+
+    def _may_preempt(self, model: str, rank: int) -> bool:
+        """Whether a request of class `rank` could take the seat of a less important one now."""
+        return (self._preemption is not None and rank < len(self._classes) - 1
+                and self._preemption.has_victims(model, rank))
+
+    def _preempt_for(self, model: str) -> None:
+        """Preempt one request for the most important waiting class, unless preemptions under way suffice."""
+        if self._preemption is None or not self._waiting(model):
+            return
+        queues = self._queues[model]
+        top = next(rank for rank, queue in enumerate(queues) if queue)
+        if self._may_preempt(model, top) and len(queues[top]) > self._preemption.freeing(model):
+            self._preemption.preempt(model, top)
 
     def _reserve(self, model: str, rank: int) -> float:
         """The share of seats class `rank` leaves free: its reserve while a more important class has traffic."""
@@ -135,12 +178,24 @@ class AdmissionQueue:
         recent = self._clock() - self._config.reserve_idle_s
         return share if any(seen > recent for seen in self._last_seen.get(model, ())[:rank]) else 0.0
 
-    def _enqueue(self, model: str, waiter: _Waiter) -> None:
-        name = waiter.info.priority_class
+    def _enqueue(self, model: str, waiter: _Waiter, requeued: bool) -> None:
+        if not requeued:
+            self._make_room(model, waiter)  # may empty and drop this model's queues: fetch them after it
         queues = self._queues.setdefault(model, [deque() for _ in self._classes])
-        if len(queues[waiter.rank]) >= self._config.class_max_requests.get(name, math.inf):
+        if requeued:
+            queues[waiter.rank].appendleft(waiter)
+        else:
+            queues[waiter.rank].append(waiter)
+        self._count += 1
+        self._bytes += waiter.info.body_bytes
+        self._metrics.queue_depth.labels(waiter.info.priority_class).inc()
+
+    def _make_room(self, model: str, waiter: _Waiter) -> None:
+        """Shed what must go for `waiter` to fit the bounds: less important requests first, else `waiter`."""
+        name, size = waiter.info.priority_class, waiter.info.body_bytes
+        queues = self._queues.get(model)
+        if queues and len(queues[waiter.rank]) >= self._config.class_max_requests.get(name, math.inf):
             self._shed(name, "queue_full")
-        size = waiter.info.body_bytes
         while self._count + 1 > self._config.max_requests or self._bytes + size > self._config.max_bytes:
             victim = self._newest_less_important(waiter.rank)
             if victim is None:
@@ -149,10 +204,6 @@ class AdmissionQueue:
             self._remove(victim_model, victim_waiter)
             self._metrics.shed.labels(victim_waiter.info.priority_class, "displaced").inc()
             victim_waiter.future.set_exception(self._shed_error(victim_waiter.info.priority_class))
-        queues[waiter.rank].append(waiter)
-        self._count += 1
-        self._bytes += size
-        self._metrics.queue_depth.labels(name).inc()
 
     def _newest_less_important(self, rank: int) -> tuple[str, _Waiter] | None:
         """The most recently queued request of the least important class below `rank`, in any model."""
@@ -183,6 +234,7 @@ class AdmissionQueue:
             queues = self._queues[model]
             rank = self._next_rank(model, queues)
             if rank is None:
+                self._preempt_for(model)
                 return
             waiter = queues[rank].popleft()
             self._forget(model, waiter)
@@ -201,7 +253,7 @@ class AdmissionQueue:
         """
         ranks = [rank for rank, queue in enumerate(queues) if queue]
         top = ranks[0]
-        if not self._has_room(model, top):
+        if not self._has_room(model, top, queues[top][0].preemptible):
             return None
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0

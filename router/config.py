@@ -265,6 +265,11 @@ def _validate_priorities(config: GatewayConfig) -> None:
             raise ConfigError(f"admission.reserve: names unknown class {name!r}")
         if not 0 <= share < 1:
             raise ConfigError(f"admission.reserve: the share for class {name!r} must be in [0, 1), got {share}")
+    unknown = [name for name in admission.preemptible if name not in classes]
+    if unknown:
+        raise ConfigError(f"admission.preemptible: names unknown class(es) {', '.join(map(repr, unknown))}")
+    if admission.max_preemptions < 0:
+        raise ConfigError(f"admission.max_preemptions: must not be negative, got {admission.max_preemptions}")
     if admission.reserve_idle_s < 0:
         raise ConfigError(f"admission.reserve_idle_s: must not be negative, got {admission.reserve_idle_s}")
 

@@ -13,6 +13,7 @@ from aiohttp import web
 
 from endpoints.discovery import Discovery, StaticDiscovery, parse_endpoint_urls
 from endpoints.fleet import Fleet
+from endpoints.model import EndpointState
 from endpoints.models import ModelLister
 from endpoints.scraper import MetricsScraper
 from policies import build_policy
@@ -23,6 +24,7 @@ from router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from router.ratelimit import RateLimiter
 from router.config import GatewayConfig
 from router.metrics import FleetCollector, GatewayMetrics
+from router.preemption import PreemptionRegistry
 from router.proxy import Forwarder, UpstreamTimeouts
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,7 @@ class Gateway:
         self.fleet: Fleet | None = None
         self.forwarder: Forwarder | None = None
         self.admission: AdmissionQueue | None = None
+        self.preemption: PreemptionRegistry | None = None
         # API keys are read at construction so a bad file stops the gateway before it listens.
         self.keys = ApiKeyStore(config.api_keys_file, priority_classes=config.priorities.classes) \
             if config.api_keys_file else None
@@ -90,7 +93,9 @@ class Gateway:
         self.fleet.on_endpoints(self.scraper.set_endpoints)
         self.fleet.on_endpoints(self.models.set_endpoints)
         self.fleet.on_removed(self.policy.forget)
-        self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics)
+        self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
+        self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics,
+                                        self.preemption)
         self.scraper.add_start_listener(self.fleet.scrape_started)
         self.scraper.add_result_listener(lambda key, ok, _duration: self.fleet.scraped(key, ok))
         self.scraper.add_round_listener(self.admission.refresh)
@@ -98,7 +103,8 @@ class Gateway:
         self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,
                                    UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
                                                     config.request_timeout), config.retries,
-                                   dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset())
+                                   dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset(),
+                                   preemption=self.preemption)
         self.metrics.add_collector(FleetCollector(
             discovery=lambda: self.discovery.status,
             endpoint_states=lambda: self.fleet.snapshot().endpoints,
@@ -120,12 +126,18 @@ class Gateway:
             await proxy_session.close()
             await poll_session.close()
 
-    def _fleet_headroom(self, model: str, reserve: float) -> float:
-        """Requests `model`'s replicas take before all are saturated, leaving `reserve` of their seats free."""
+    def _candidates(self, model: str) -> tuple[EndpointState, ...]:
+        """The replicas that may take a request for `model` now."""
         assert self.fleet is not None
-        candidates = self.fleet.snapshot().candidates(model)
+        return self.fleet.snapshot().candidates(model)
+
+    def _fleet_headroom(self, model: str, reserve: float, queue_inside: bool) -> float:
+        """Requests `model`'s replicas take before all are saturated, leaving `reserve` of their seats free."""
+        candidates = self._candidates(model)
         # With no candidate there is nothing to wait for: let the request through to its 503 at once.
-        return fleet_headroom(candidates, self.config.saturation, reserve) if candidates else float("inf")
+        if not candidates:
+            return float("inf")
+        return fleet_headroom(candidates, self.config.saturation, reserve, queue_inside)
 
     def serves(self, model: str) -> bool:
         """Whether some replica reports serving `model`."""

@@ -17,8 +17,9 @@ from router.errors import GatewayError, error_response
 from router.ratelimit import estimate_tokens
 from router.gateway import Gateway
 from router.headers import request_id as make_request_id
+from router.preemption import Preempted
 from router.proxy import CLIENT_GONE, Outcome
-from router.requests import parse_request, with_upstream_priority
+from router.requests import ParsedRequest, parse_request, with_upstream_priority
 from policies.priorities import PriorityError, classify
 
 log = logging.getLogger(__name__)
@@ -56,8 +57,7 @@ class Handlers:
             admitted = True
             if gateway.config.upstream_priority:
                 parsed = with_upstream_priority(parsed, gateway.config.priorities.classes)
-            decision = gateway.forwarder.choose(parsed)
-            response = await gateway.forwarder.forward(request, parsed, decision, outcome)
+            response = await self._forward(request, parsed, outcome)
         except GatewayError as error:
             outcome.status = error.status
             gateway.metrics.rejected.labels(str(error.status), error.param or "-").inc()
@@ -71,6 +71,27 @@ class Handlers:
                 gateway.admission.release(model)
             self._finish(request, model, outcome)
         return response
+
+    async def _forward(self, request: web.Request, parsed: ParsedRequest, outcome: Outcome) -> web.StreamResponse:
+        """Pick a replica and proxy the request; a preempted request queues again and is sent anew."""
+        gateway = self.gateway
+        assert gateway.forwarder is not None and gateway.admission is not None
+        info = parsed.info
+        rank = gateway.config.priorities.classes.index(info.priority_class)
+        preemptions = 0
+        while True:
+            decision = gateway.forwarder.choose(parsed)
+            preemptible = gateway.admission.preemptible(info, preemptions)
+            try:
+                return await gateway.forwarder.forward(request, parsed, decision, outcome,
+                                                       rank if preemptible else None)
+            except Preempted:
+                preemptions += 1
+                gateway.metrics.preempted.labels(info.priority_class).inc()
+                log.info("preempted id=%s replica=%s class=%s times=%d", outcome.request_id, outcome.replica,
+                         info.priority_class, preemptions)
+                gateway.admission.release(info.model)  # its seat goes to the request that preempted it
+                await gateway.admission.admit(info, preemptions)
 
     def _priority_class(self, request: web.Request, key_default: str | None) -> str:
         """The request's priority class from its headers or its API key; 400 naming the header for a bad value."""

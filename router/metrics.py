@@ -53,6 +53,8 @@ class GatewayMetrics:
                             ["priority_class", "reason"], registry=r)
         self.queue_abandoned = Counter("kvgate_admission_abandoned", "Clients that left while queued",
                                        ["priority_class"], registry=r)
+        self.preempted = Counter("kvgate_admission_preempted", "Requests that gave up their seat to a more important "
+                                 "one before their replica answered, and queued again", ["priority_class"], registry=r)
 
     def add_collector(self, collector: Collector) -> None:
         """Register a collector that reads live state at scrape time."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import aiohttp
@@ -16,6 +17,7 @@ from policies.types import Decision, Policy
 from router.errors import GatewayError, error_body
 from router.headers import forwardable
 from router.metrics import GatewayMetrics
+from router.preemption import Preempted, Preemptible, PreemptionRegistry
 from router.requests import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ _SSE = "text/event-stream"
 _DECODED = frozenset({"content-encoding"})
 _WHOLE_BODY_LIMIT = 1024 * 1024  # plain answers up to this size are relayed in one write
 CLIENT_GONE = 499  # nginx's code for "client closed the request"; used in logs and metrics only
+_Opened = tuple[aiohttp.ClientResponse, bytes | None]  # the replica's response, and its body if already read
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,8 @@ class Forwarder:
     """Sends parsed requests to replicas chosen by the policy and relays responses chunk by chunk."""
 
     def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, policy: Policy, metrics: GatewayMetrics,
-                 timeouts: UpstreamTimeouts, retries: int, dropped_headers: frozenset[str] = frozenset()) -> None:
+                 timeouts: UpstreamTimeouts, retries: int, dropped_headers: frozenset[str] = frozenset(),
+                 preemption: PreemptionRegistry | None = None) -> None:
         self._session = session
         self._fleet = fleet
         self._policy = policy
@@ -76,6 +80,7 @@ class Forwarder:
         # The gateway's own credentials never reach a replica, nor Content-Encoding: the server already
         # decoded a compressed request body, so what goes upstream is the plain body.
         self._dropped_headers = frozenset(dropped_headers) | _DECODED
+        self._preemption = preemption
 
     def choose(self, parsed: ParsedRequest) -> Decision:
         """Pick a replica for the request; raises 503 when none can take it."""
@@ -89,8 +94,12 @@ class Forwarder:
         return decision
 
     async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
-                      outcome: Outcome) -> web.StreamResponse:
-        """Proxy the request, retrying on another replica only while nothing reached the client."""
+                      outcome: Outcome, preemptible_rank: int | None = None) -> web.StreamResponse:
+        """Proxy the request, retrying on another replica only while nothing reached the client.
+
+        With `preemptible_rank` (its class), a more important request may take its seat until the replica
+        answers: it raises Preempted then.
+        """
         headers = forwardable(request.headers, self._dropped_headers)
         headers["x-request-id"] = outcome.request_id
         tried: list[str] = []
@@ -100,7 +109,7 @@ class Forwarder:
             outcome.attempts = len(tried)
             outcome.replica = target.key
             try:
-                return await self._attempt(request, parsed, target, headers, outcome)
+                return await self._attempt(request, parsed, target, headers, outcome, preemptible_rank)
             except _Retryable as exc:
                 outcome.error = exc.cause
                 target = self._next_target(parsed, decision, tried) if len(tried) <= self._retries else None
@@ -120,17 +129,26 @@ class Forwarder:
         return min(others, key=lambda s: s.load, default=None)
 
     async def _attempt(self, request: web.Request, parsed: ParsedRequest, target: EndpointState,
-                       headers: dict, outcome: Outcome) -> web.StreamResponse:
+                       headers: dict, outcome: Outcome, preemptible_rank: int | None) -> web.StreamResponse:
         key = target.key
         self._fleet.acquire(key)
         self._policy.record(parsed.info, target)
         gauge = self._metrics.in_flight.labels(key)
         gauge.inc()
         upstream: aiohttp.ClientResponse | None = None
+        seat: Preemptible | None = None
+        if self._preemption is not None and preemptible_rank is not None:
+            seat = self._preemption.track(parsed.info.model, key, preemptible_rank)
         try:
-            upstream, prefetched = await self._open(target, request, parsed, headers)
+            opening = self._open(target, request, parsed, headers)
+            upstream, prefetched = await (opening if seat is None else _unless_preempted(opening, seat))
+            if seat is not None:
+                self._preemption.untrack(seat)
+                seat = None
             return await self._relay(request, upstream, prefetched, outcome)
         finally:
+            if seat is not None:
+                self._preemption.untrack(seat)
             gauge.dec()
             self._fleet.release(key)
             if upstream is not None:
@@ -142,7 +160,7 @@ class Forwarder:
                     upstream.close()
 
     async def _open(self, target: EndpointState, request: web.Request, parsed: ParsedRequest,
-                    headers: dict) -> tuple[aiohttp.ClientResponse, bytes | None]:
+                    headers: dict) -> _Opened:
         """Send the request; returns the response and its body when it had to be read already."""
         url = target.endpoint.url + request.rel_url.path_qs
         try:
@@ -235,3 +253,17 @@ class Forwarder:
                 return response
         await response.write_eof()
         return response
+
+
+async def _unless_preempted(opening: Awaitable[_Opened], seat: Preemptible) -> _Opened:
+    """Await the replica's answer; cancel the request (vLLM aborts it) and raise Preempted if its seat is taken."""
+    answer = asyncio.ensure_future(opening)
+    try:
+        await asyncio.wait((answer, seat.signal), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not answer.done():
+            answer.cancel()
+            await asyncio.gather(answer, return_exceptions=True)
+    if answer.cancelled():
+        raise Preempted()
+    return answer.result()

@@ -141,7 +141,7 @@ async def odd_server() -> AsyncIterator[str]:
 
 async def test_client_tells_shed_broken_and_unanswered_requests_apart(odd_server: str) -> None:
     arrivals = [Arrival(0, 0.0, BATCH), Arrival(1, 0.01, INTERACTIVE), Arrival(2, 0.02, INTERACTIVE)]
-    samples = await run_open_loop(odd_server, arrivals, lambda index: orjson.dumps({"silent": index == 2}),
+    samples = await run_open_loop(odd_server, arrivals, lambda arrival: orjson.dumps({"silent": arrival.index == 2}),
                                   drain_cap=0.5)
     shed, broken, unanswered = samples
     assert (shed.outcome, shed.retry_after) == (Outcome.SHED, "2")

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.priority.client import measure_throughput, run_open_loop
+from loadtest.priority.client import BodyFor, measure_throughput, run_open_loop
 from loadtest.priority.probe import QueueProbe
 from loadtest.priority.rig import Services, admission_counters, fleet, gateway, services
 from loadtest.priority.rows import ADMISSION, FIFO, ROWS
 from loadtest.priority.summary import RunResult, summarise, verdict
-from loadtest.priority.workload import poisson_arrivals, request_body
+from loadtest.priority.workload import INTERACTIVE, Arrival, poisson_arrivals, request_body
 from loadtest.simulator import SimOptions
 
 Progress = Callable[[str], None]
@@ -50,9 +51,10 @@ class Plan:
         step_s = sim.scaled(sim.decode_step_seconds + sim.decode_seconds_per_seq * sim.max_num_seqs)
         return self.replicas * sim.max_num_seqs / (self.max_tokens * step_s)
 
-    def body_for(self, index: int) -> bytes:
-        """The body of request `index`."""
-        return request_body(self.sim.models[0], index, self.prompt_words, self.max_tokens)
+    def body_for(self, arrival: Arrival, batch_stream: bool = False) -> bytes:
+        """The body of one request: interactive ones stream, batch ones read whole answers unless `batch_stream`."""
+        stream = arrival.priority == INTERACTIVE or batch_stream
+        return request_body(self.sim.models[0], arrival.index, self.prompt_words, self.max_tokens, stream)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON."""
@@ -60,14 +62,14 @@ class Plan:
 
 
 async def _run(plan: Plan, target: Services, key: str, title: str, rate: float, duration: float,
-               batch_fraction: float, seed: int, lead_in_s: float = 0.0) -> RunResult:
+               batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0) -> RunResult:
     """One open-loop run against `target`, its queues sampled while the load is on."""
     arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
     probe = QueueProbe(target.gateway_url, target.replica_urls)
     probing = asyncio.create_task(probe.run())
     asyncio.get_running_loop().call_later(lead_in_s + duration, probing.cancel)
     try:
-        samples = await run_open_loop(target.gateway_url, arrivals, plan.body_for, plan.drain_cap_s)
+        samples = await run_open_loop(target.gateway_url, arrivals, body_for, plan.drain_cap_s)
     finally:
         probing.cancel()
         await asyncio.gather(probing, return_exceptions=True)
@@ -83,7 +85,7 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[s
         progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
         async with gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as url:
             unloaded = await _run(plan, Services(url, urls), "unloaded", f"{ADMISSION.title}, interactive only",
-                                  plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed)
+                                  plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
     progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
              f"p99 {unloaded.interactive.ttft_p99_ms} ms")
     runs: list[RunResult] = []
@@ -92,7 +94,8 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[s
         async with services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(plan.sim),
                             log_dir) as target:
             run = await _run(plan, target, key, row.title, plan.overload_factor * capacity,
-                             plan.overload_s, plan.batch_fraction, plan.seed + 1, plan.lead_in_s)
+                             plan.overload_s, plan.batch_fraction, plan.seed + 1,
+                             functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)
         runs.append(run)
         progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
                  f"shed {run.batch.shed} lost {run.lost}, wall {run.wall_s} s, replica queue mean "

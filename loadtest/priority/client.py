@@ -18,13 +18,13 @@ _DETAIL_CHARS = 160
 # No per-request timeout: the run's drain cap bounds every request, and one still open then counts as lost.
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
 
-BodyFor = Callable[[int], bytes]  # request index -> body
+BodyFor = Callable[[Arrival], bytes]  # the request's body
 
 
 class Outcome(enum.StrEnum):
     """How a request ended."""
 
-    OK = "ok"  # 200 and a complete stream
+    OK = "ok"  # 200 and a complete answer
     SHED = "shed"  # 429 from the admission queue
     ERROR = "error"  # any other status, or a stream that broke
     LOST = "lost"  # no response at all: the connection failed or nothing came back before the drain cap
@@ -37,7 +37,7 @@ class Sample:
     priority: str
     outcome: Outcome
     lag: float  # how late the generator sent it against its schedule
-    ttft: float | None = None  # send to the first non-empty content delta
+    ttft: float | None = None  # send to the first non-empty content delta (streamed answers only)
     e2e: float | None = None  # send to the end of the response
     finished_at: float | None = None  # end of the response, after the run's start
     retry_after: str | None = None
@@ -70,8 +70,14 @@ async def _read_stream(response: aiohttp.ClientResponse, start: float) -> tuple[
     return ttft, "" if done else "stream ended without [DONE]"
 
 
+async def _read_whole(response: aiohttp.ClientResponse) -> str:
+    """Read a plain JSON answer: what went wrong with it ('' if nothing)."""
+    answer = orjson.loads(await response.read())
+    return "" if answer.get("choices") else f"answer without choices: {str(answer)[:_DETAIL_CHARS]}"
+
+
 async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body: bytes, run_start: float) -> Sample:
-    """Send one streamed request with its class in `x-priority` and classify the answer."""
+    """Send one request with its class in `x-priority` and classify the answer, streamed or whole."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     lag = start - run_start - arrival.at
@@ -80,8 +86,11 @@ async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body:
     try:
         async with session.post(url + CHAT_PATH, data=body, headers=headers) as response:
             status = response.status
-            if status == 200:
+            if status == 200 and response.content_type == "text/event-stream":
                 ttft, detail = await _read_stream(response, start)
+                outcome = Outcome.ERROR if detail else Outcome.OK
+            elif status == 200:
+                ttft, detail = None, await _read_whole(response)
                 outcome = Outcome.ERROR if detail else Outcome.OK
             else:
                 ttft, detail = None, f"HTTP {status}: {(await response.text())[:_DETAIL_CHARS]}"
@@ -112,7 +121,7 @@ async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor
         tasks: list[asyncio.Task[Sample]] = []
         for arrival in arrivals:
             await asyncio.sleep(max(0.0, run_start + arrival.at - loop.time()))
-            tasks.append(asyncio.create_task(send(session, url, arrival, body_for(arrival.index), run_start)))
+            tasks.append(asyncio.create_task(send(session, url, arrival, body_for(arrival), run_start)))
         drain_end = run_start + arrivals[-1].at + drain_cap
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, drain_end - loop.time()))
         for task in pending:
@@ -138,8 +147,8 @@ async def measure_throughput(urls: Sequence[str], concurrency: int, warmup: floa
 
         async def user() -> None:
             while loop.time() < deadline:
-                index = next(indexes)
-                sample = await send(session, next(targets), Arrival(index, 0.0, INTERACTIVE), body_for(index), start)
+                arrival = Arrival(next(indexes), 0.0, INTERACTIVE)
+                sample = await send(session, next(targets), arrival, body_for(arrival), start)
                 if sample.outcome is not Outcome.OK:
                     raise RuntimeError(f"capacity probe request failed: {sample.detail}")
                 completions.append(loop.time())

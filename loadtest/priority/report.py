@@ -25,9 +25,9 @@ def _table(report: dict[str, Any]) -> list[str]:
     base = report["unloaded"]["interactive"]["ttft_p99_ms"]
     lines = [
         "| run | interactive TTFT p50 / p99 (ms) | p99 vs unloaded | interactive e2e p99 (ms) "
-        "| interactive ok / 429 / err / lost | batch ok / 429 / err / lost | batch req/s | replica queue mean / max "
+        "| interactive ok / 429 / err / lost | batch ok / 429 / err / lost | batch req/s | batch preempted | replica queue mean / max "
         "| kvgate queue max | interactive mean wait in kvgate (ms) | stale scrapes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in [report["unloaded"], *report["runs"]]:
         inter, batch, queues = run["interactive"], run["batch"], run["queues"]
@@ -36,7 +36,7 @@ def _table(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {name} {run['title']}, {run['offered_rps']} req/s | {inter['ttft_p50_ms']:.0f} / "
             f"{inter['ttft_p99_ms']:.0f} | {ratio:.1f}x | {inter['e2e_p99_ms']:.0f} | {_counts(inter)} | "
-            f"{_counts(batch)} | {run['batch_throughput']:.1f} | {queues['replica_waiting_mean']} / "
+            f"{_counts(batch)} | {run['batch_throughput']:.1f} | {run['batch_preempted']} | {queues['replica_waiting_mean']} / "
             f"{queues['replica_waiting_max']} | {queues['gateway_queue_max']} | "
             f"{run['interactive_kvgate_wait_ms']:.0f} | {queues['stale_fraction']:.0%} |")
     return lines
@@ -65,9 +65,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"the load generator share them (1-minute load average before/after: {meta['loadavg_1m'][0]}/"
         f"{meta['loadavg_1m'][1]}). Fleet: {plan['replicas']} simulated replicas (`kvgate sim`), "
         f"max_num_seqs {sim['max_num_seqs']}, speed {sim['speed']}, decode step {sim['decode_step_seconds']} s + "
-        f"{sim['decode_seconds_per_seq']} s per running sequence; every request is a streamed chat completion of "
+        f"{sim['decode_seconds_per_seq']} s per running sequence; every request is a chat completion of "
         f"{plan['max_tokens'] // 2} to {plan['max_tokens'] * 3 // 2} tokens (uniform, mean {plan['max_tokens']}) "
-        "with its own prompt (no prefix reuse).",
+        "with its own prompt (no prefix reuse); interactive requests stream, batch requests read whole answers "
+        "as batch jobs do (streamed in row f).",
         "",
         f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
         f"always open directly against the replicas, {plan['capacity_s']} s); {capacity['derived_rps']} req/s from the "
@@ -81,7 +82,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"flowing), then up to {plan['drain_cap_s']:.0f} s for open requests to finish (a request still open then "
         f"counts as lost). TTFT is the time to the first content chunk, of requests sent during the flood; every "
         f"request counts in ok / 429 / err / lost. Batch req/s counts completed batch requests from the flood's "
-        f"start to the end of its drain. Replica queue: requests waiting inside the replicas (`/sim/stats`), kvgate queue: its "
+        f"start to the end of its drain; batch preempted counts the times kvgate took a batch request's seat back for an "
+        f"interactive one (it then queued again). Replica queue: requests waiting inside the replicas (`/sim/stats`), kvgate queue: its "
         f"admission queue, stale scrapes: share of samples where kvgate judged a replica on stale metrics "
         f"(headroom then counts only what was sent since the last good scrape); all sampled every 0.5 s while the load was on.",
         "",

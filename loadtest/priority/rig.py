@@ -16,7 +16,8 @@ from loadtest.simulator import SimOptions
 
 _GATEWAY_ARGV = [sys.executable, "-m", "router.cli", "serve", "--drain-delay", "0", "--drain-timeout", "2",
                  "--log-level", "warning"]
-_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds")
+_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds",
+                      "kvgate_admission_preempted")
 _COUNTED_SUFFIXES = ("_total", "_sum", "_count")
 
 
@@ -74,7 +75,7 @@ async def services(name: str, replicas: int, options: SimOptions, flags: Sequenc
 
 
 async def admission_counters(gateway_url: str) -> dict[str, float]:
-    """The gateway's admission counters (dispatched, shed, wait sum and count) keyed by name and labels."""
+    """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
         async with session.get(gateway_url + "/metrics") as response:
             text = await response.text()

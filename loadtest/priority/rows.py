@@ -9,7 +9,7 @@ from loadtest.simulator import SimOptions
 
 # Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.
 NO_ADMISSION_FLAGS = ("--saturation-queue", "1000000", "--saturation-seated-queue", "1000000",
-                      "--saturation-kv-cache", "1.0", "--admission-reserve", "batch=0")
+                      "--saturation-kv-cache", "1.0", "--admission-reserve", "batch=0", "--admission-preemptible", "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,7 @@ class RowSpec:
     admission: bool = True
     upstream_priority: bool = False  # kvgate sets vLLM's `priority`; the replicas order their queue by it
     seats_configured: bool = False  # kvgate is told the replicas' max_num_seqs instead of learning it from /metrics
+    batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
 
     def gateway_flags(self, sim: SimOptions) -> list[str]:
         """`kvgate serve` flags of this row in front of replicas run with `sim`, besides listen and endpoints."""
@@ -46,4 +47,8 @@ UPSTREAM_PRIORITY = RowSpec("d", "cache-aware + admission control + upstream pri
 SEATS_CONFIGURED = RowSpec("e", "as (d), with the replicas' max_num_seqs configured instead of learned",
                            upstream_priority=True, seats_configured=True)
 
-ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SEATS_CONFIGURED)}
+BATCH_STREAMED = RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve",
+                         batch_stream=True)
+
+ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SEATS_CONFIGURED,
+                                 BATCH_STREAMED)}

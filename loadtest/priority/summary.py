@@ -68,13 +68,18 @@ class RunResult:
         return 1000 * self.gateway.get(f"wait_seconds_sum{labels}", 0.0) / count if count else 0.0
 
     @property
+    def batch_preempted(self) -> int:
+        """Times kvgate took a batch request's seat back for an interactive one and queued it again."""
+        return int(self.gateway.get(f"preempted_total{{priority_class={BATCH}}}", 0.0))
+
+    @property
     def lost(self) -> int:
         """Requests of either class that got no answer."""
         return self.interactive.lost + self.batch.lost
 
     def to_json(self) -> dict:
         """The result as plain JSON, with the derived throughput."""
-        return {**asdict(self), "batch_throughput": round(self.batch_throughput, 2),
+        return {**asdict(self), "batch_throughput": round(self.batch_throughput, 2), "batch_preempted": self.batch_preempted,
                 "interactive_kvgate_wait_ms": round(self.mean_kvgate_wait_ms(INTERACTIVE), 1)}
 
 

@@ -45,12 +45,12 @@ def output_tokens(index: int, mean: int) -> int:
     return random.Random(index).randint(mean // 2, mean + mean // 2)
 
 
-def request_body(model: str, index: int, prompt_words: int, max_tokens: int) -> bytes:
-    """A streamed chat completion whose prompt differs from the first word, so no request hits another's cache.
+def request_body(model: str, index: int, prompt_words: int, max_tokens: int, stream: bool = True) -> bytes:
+    """A chat completion whose prompt differs from the first word, so no request hits another's cache.
 
     `max_tokens` is the mean output length; each request's own varies around it (output_tokens).
     """
     words = " ".join(_PROMPT_WORDS[(index + i) % len(_PROMPT_WORDS)] for i in range(prompt_words))
     body = {"model": model, "messages": [{"role": "user", "content": f"request {index}: {words}"}],
-            "max_tokens": output_tokens(index, max_tokens), "stream": True}
+            "max_tokens": output_tokens(index, max_tokens), "stream": stream}
     return orjson.dumps(body)
