@@ -17,6 +17,7 @@ class RoutingConfig:
     max_blocks: int = 256  # blocks hashed per request; later text is ignored for routing
     affinity_blocks: int = 4  # leading blocks whose hash places a cold prefix (rendezvous)
     load_bound: float = 1.25  # a replica over bound x mean load gets no new work
+    load_slack: int = 2  # ... nor over mean + slack, whichever is higher (a low-load bound otherwise fires on noise)
     weights: dict[str, float] = field(default_factory=_default_weights)
     index_default_blocks: int = 31_250  # per-replica index size when the KV capacity is unknown
     index_max_total_blocks: int = 1_000_000  # all replicas together, about 145 B each: ~145 MB worst case

@@ -9,14 +9,18 @@ from endpoints.model import EndpointState
 from policies.framework import Cycle
 
 
-def load_cap(states: Sequence[EndpointState], load_bound: float) -> int:
+def load_cap(states: Sequence[EndpointState], load_bound: float, slack: int = 0) -> int:
     """Consistent hashing with bounded loads: a replica may take one more request while its load is under this.
 
     ceil(c * (total + 1) / n) rather than c x mean, so that with tiny loads (0 or 1 in flight) every
-    replica still has room for one request; with c >= 1 some replica is always under the cap.
+    replica still has room for one request; with c >= 1 some replica is always under the cap. At least
+    `slack` requests above the mean: at low load c x mean is within a request or two of the mean, and
+    a bound that tight fires on noise (a gateway among several sees a third of the load, say), moving
+    requests off the replica that caches their prefix when nothing is hot.
     """
-    total = sum(state.load for state in states)
-    return math.ceil(load_bound * (total + 1) / len(states))
+    mean = (sum(state.load for state in states) + 1) / len(states)
+    cap = math.ceil(load_bound * mean)
+    return max(cap, math.ceil(mean) + slack) if slack else cap
 
 
 class BoundedLoadFilter:
@@ -24,14 +28,15 @@ class BoundedLoadFilter:
 
     name = "bounded-load"
 
-    def __init__(self, load_bound: float) -> None:
+    def __init__(self, load_bound: float, slack: int = 0) -> None:
         self.load_bound = load_bound
+        self.slack = slack
 
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
         """Candidates that may take one more request without exceeding the bound."""
         if not candidates:
             return ()
-        cap = load_cap(candidates, self.load_bound)
+        cap = load_cap(candidates, self.load_bound, self.slack)
         return tuple(state for state in candidates if state.load < cap)
 
 

@@ -23,6 +23,7 @@ class PrefixHashPolicy(NoPrefixIndex):
     def __init__(self, config: RoutingConfig) -> None:
         self._affinity_blocks = config.affinity_blocks
         self._load_bound = config.load_bound
+        self._load_slack = config.load_slack
 
     def pick(self, request: RequestInfo, fleet: FleetSnapshot) -> Decision | None:
         """Walk the prefix's rendezvous order to the first replica under the bounded-load cap."""
@@ -31,7 +32,7 @@ class PrefixHashPolicy(NoPrefixIndex):
             return None
         key = placement_key(request, self._affinity_blocks)
         order = rendezvous_order(key, candidates)
-        cap = load_cap(candidates, self._load_bound)
+        cap = load_cap(candidates, self._load_bound, self._load_slack)
         eligible = [state for state in order if state.load < cap]
         if not eligible:
             ranked = least_loaded_order(key, candidates)

@@ -66,7 +66,7 @@ class SaturationThresholds:
     seated_queue: int = 0  # with a replica's seats known, requests that may wait inside it; the rest wait in kvgate
 
 
-def headroom(state: EndpointState, limits: SaturationThresholds, queue_inside: bool = True) -> float:
+def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
     Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
@@ -74,7 +74,9 @@ def headroom(state: EndpointState, limits: SaturationThresholds, queue_inside: b
     failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
     replica never scraped fails open. With the replica's seats known, requests beyond its seats and
     `seated_queue` wait in kvgate's queue, which orders them by priority and hands each the first seat that
-    frees up anywhere, instead of in the replica's own queue; with `queue_inside` False, none wait inside it.
+    frees up anywhere, instead of in the replica's own queue. `probe` False keeps a request from being the one
+    let past a learned seat count (_probe), so that it never waits in a replica's queue unless `seated_queue`
+    allows it.
     """
     room = float("inf")
     metrics = state.metrics
@@ -85,7 +87,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, queue_inside: b
             waiting = max(0, state.recent) if metrics.stale else state.estimated_waiting
             room = max(0.0, limits.queue - waiting)
     if state.seats:
-        inside = max(limits.seated_queue, _probe(limits)) if queue_inside else 0
+        inside = max(limits.seated_queue, _probe(limits)) if probe else limits.seated_queue
         room = min(room, max(0.0, state.seats + inside - state.occupied))
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
@@ -99,17 +101,17 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   queue_inside: bool = True) -> float:
+                   probe: bool = True) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats that must stay free for more important classes,
     pooled over the fleet because a request that needs a seat is routed to whichever replica has one. A
     class keeping a reserve sends a replica whose seats are unknown one request at a time past its last
-    scraped queue: enough to fill it and show its seat count, never a queue that others wait behind. With
-    `queue_inside` False, a replica whose seats are known takes requests only into free seats.
+    scraped queue: enough to fill it and show its seat count, never a queue that others wait behind. `probe`
+    is headroom()'s.
     """
     if reserve <= 0:
-        return sum(headroom(state, limits, queue_inside) for state in candidates)
+        return sum(headroom(state, limits, probe) for state in candidates)
     seated = [state for state in candidates if state.seats]
     room = sum(min(headroom(state, limits), max(0, 1 - state.estimated_waiting))
                for state in candidates if not state.seats)
@@ -117,5 +119,5 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
         seats = sum(state.seats or 0 for state in seated)
         kept = min(math.ceil(reserve * seats), seats - 1)  # never every seat: the class would starve
         free = sum(state.free_seats or 0 for state in seated) - kept
-        room += min(sum(headroom(state, limits, queue_inside) for state in seated), max(0, free))
+        room += min(sum(headroom(state, limits, probe) for state in seated), max(0, free))
     return room

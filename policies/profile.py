@@ -50,4 +50,4 @@ def build_profile(config: RoutingConfig) -> SchedulingProfile:
     if negative:
         raise ValueError(f"scorer weights must be >= 0, got negative weights for {negative}")
     scorers = tuple((SCORERS[name](), float(weight)) for name, weight in config.weights.items() if weight > 0)
-    return SchedulingProfile(filters=(BoundedLoadFilter(config.load_bound),), scorers=scorers, picker=MaxScorePicker())
+    return SchedulingProfile(filters=(BoundedLoadFilter(config.load_bound, config.load_slack),), scorers=scorers, picker=MaxScorePicker())

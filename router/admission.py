@@ -68,7 +68,7 @@ class AdmissionQueue:
                  preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._classes = priorities.classes
-        self._fleet_headroom = fleet_headroom  # (model, reserve share, requests may wait inside replicas)
+        self._fleet_headroom = fleet_headroom  # (model, reserve share, may probe past a learned seat count)
         self._metrics = metrics
         self._preemption = preemption
         self._clock = clock
@@ -149,12 +149,16 @@ class AdmissionQueue:
     def _has_room(self, model: str, rank: int, preemptible: bool) -> bool:
         """Whether the fleet takes one more request of class `rank`.
 
-        A preemptible request keeps no reserve, since it gives up its seat on demand; a request that may
-        preempt one takes only a free seat, never a place in a replica's queue behind a preemptible one.
+        A replica's own queue is first come first served, so while a more important class has traffic a
+        request is never the one let past a replica's learned seat count to wait there (it could take the
+        next seat ahead of a more important one), and a request that may preempt one takes a free seat
+        rather than a place behind a preemptible one; only `saturation.seated_queue` puts requests in a
+        replica's queue then. A preemptible request keeps no reserve, since it gives up its seat on demand.
         """
-        reserve = 0.0 if preemptible else self._reserve(model, rank)
-        queue_inside = not self._may_preempt(model, rank)
-        return self._fleet_headroom(model, reserve, queue_inside) - self._pending[model] >= 1
+        yields = self._yields(model, rank)
+        reserve = self._config.reserve.get(self._classes[rank], 0.0) if yields and not preemptible else 0.0
+        probe = not yields and not self._may_preempt(model, rank)
+        return self._fleet_headroom(model, reserve, probe) - self._pending[model] >= 1
 
     def _may_preempt(self, model: str, rank: int) -> bool:
         """Whether a request of class `rank` could take the seat of a less important one now."""
@@ -170,13 +174,10 @@ class AdmissionQueue:
         if self._may_preempt(model, top) and len(queues[top]) > self._preemption.freeing(model):
             self._preemption.preempt(model, top)
 
-    def _reserve(self, model: str, rank: int) -> float:
-        """The share of seats class `rank` leaves free: its reserve while a more important class has traffic."""
-        share = self._config.reserve.get(self._classes[rank], 0.0)
-        if not share or not rank:
-            return 0.0
+    def _yields(self, model: str, rank: int) -> bool:
+        """Whether a class more important than `rank` sent a request of `model` within `reserve_idle_s`."""
         recent = self._clock() - self._config.reserve_idle_s
-        return share if any(seen > recent for seen in self._last_seen.get(model, ())[:rank]) else 0.0
+        return any(seen > recent for seen in self._last_seen.get(model, ())[:rank])
 
     def _enqueue(self, model: str, waiter: _Waiter, requeued: bool) -> None:
         if not requeued:

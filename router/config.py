@@ -231,6 +231,8 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"routing.{name}: must be at least 1, got {getattr(routing, name)}")
     if routing.load_bound < 1.0:
         raise ConfigError(f"routing.load_bound: must be at least 1.0, got {routing.load_bound}")
+    if routing.load_slack < 0:
+        raise ConfigError(f"routing.load_slack: must not be negative, got {routing.load_slack}")
     if any(w < 0 for w in routing.weights.values()):
         raise ConfigError("routing.weights: weights must not be negative")
     _validate_priorities(config)

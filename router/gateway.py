@@ -131,13 +131,13 @@ class Gateway:
         assert self.fleet is not None
         return self.fleet.snapshot().candidates(model)
 
-    def _fleet_headroom(self, model: str, reserve: float, queue_inside: bool) -> float:
+    def _fleet_headroom(self, model: str, reserve: float, probe: bool) -> float:
         """Requests `model`'s replicas take before all are saturated, leaving `reserve` of their seats free."""
         candidates = self._candidates(model)
         # With no candidate there is nothing to wait for: let the request through to its 503 at once.
         if not candidates:
             return float("inf")
-        return fleet_headroom(candidates, self.config.saturation, reserve, queue_inside)
+        return fleet_headroom(candidates, self.config.saturation, reserve, probe)
 
     def serves(self, model: str) -> bool:
         """Whether some replica reports serving `model`."""

@@ -26,7 +26,7 @@ class Room:
         self.reserved = reserved
         self.reserves: list[float] = []
 
-    def __call__(self, model: str, reserve: float, queue_inside: bool = True) -> float:
+    def __call__(self, model: str, reserve: float, probe: bool = True) -> float:
         self.reserves.append(reserve)
         return max(0.0, self.free - self.reserved) if reserve else self.free
 

@@ -131,6 +131,9 @@ def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_pat
         assert 0 < row["ttft_p50"] <= row["ttft_p99"]
         assert abs(sum(row["replica_shares"]) - 1.0) < 1e-9
     assert rows["cache-aware"]["hit_rate"] > rows["round-robin"]["hit_rate"]
+    for name in ("round-robin", "cache-aware", "cache-aware x3"):  # every request routed once, counted by reason
+        assert sum(rows[name]["decisions"].values()) == rows[name]["requests"]
+    assert rows["round-robin"]["decisions"].keys() == {"round_robin"} and rows["oracle"]["decisions"] == {}
     assert rows["oracle"]["hit_rate"] >= rows["round-robin"]["hit_rate"]
     assert {check["name"] for check in rows["cache-aware"]["targets"]} >= {"hit >= 95% of oracle",
                                                                            "max/mean requests <= 1.25"}

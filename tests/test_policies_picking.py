@@ -31,7 +31,7 @@ from policies import (
 )
 from policies.rendezvous import placement_key, rendezvous_order
 
-CONFIG = RoutingConfig()
+CONFIG = RoutingConfig(load_slack=0)  # the bare multiplicative bound: the small loads below exercise it
 KEYS = [f"pod-{i}" for i in range(8)]
 
 
@@ -212,7 +212,7 @@ def test_prefix_hash_sends_a_prefix_home_until_home_is_over_the_bound() -> None:
     decision = policy.pick(req, busy)
     assert (decision.reason, decision.endpoint.key) == ("overflow", rendezvous_order(
         placement_key(req, CONFIG.affinity_blocks), busy.endpoints)[1].key)
-    below_one = build_policy("prefix-hash", RoutingConfig(load_bound=0.5))
+    below_one = build_policy("prefix-hash", RoutingConfig(load_bound=0.5, load_slack=0))
     assert below_one.pick(req, idle_fleet(KEYS[:4], {k: 2 for k in KEYS[:4]})).reason == "fallback"
 
 
@@ -276,7 +276,7 @@ def test_cache_aware_overflows_when_the_holder_is_over_the_bound() -> None:
     decision = policy.pick(req, idle_fleet(loads={holder.key: 6}))
     assert decision.reason == "overflow"
     assert decision.endpoint.key == rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[1].key
-    below_one = CacheAwarePolicy(RoutingConfig(load_bound=0.5))
+    below_one = CacheAwarePolicy(RoutingConfig(load_bound=0.5, load_slack=0))
     assert below_one.pick(req, idle_fleet(KEYS[:4], {k: 2 for k in KEYS[:4]})).reason == "fallback"
 
 
@@ -373,3 +373,17 @@ def test_a_hot_prefix_burst_stays_bounded_and_spills_along_its_rendezvous_order(
         in_flight[chosen] += 1
         sprayed[chosen] += 1
     assert len(sprayed) == len(KEYS)  # what a load-only policy does with the same burst
+
+
+def test_load_slack_keeps_low_loads_home_and_leaves_high_loads_to_the_bound() -> None:
+    cycle = cycle_for(request("x"))
+    # Mean about 2: 1.25x the mean is within one request of it; a slack of 2 lets a replica hold 4 first.
+    low = [state("a", 3), state("b", 2), state("c", 1)]
+    assert [s.key for s in BoundedLoadFilter(1.25).filter(cycle, low)] == ["b", "c"]
+    assert [s.key for s in BoundedLoadFilter(1.25, slack=2).filter(cycle, low)] == ["a", "b", "c"]
+    assert [s.key for s in BoundedLoadFilter(1.25, slack=2).filter(cycle, [state("a", 5), *low[1:]])] == ["b", "c"]
+    # Mean about 20: 1.25x the mean (25 or 26) is looser than mean + 2 (22 or 23), so the bound alone decides.
+    high = [state("a", 26), state("b", 20), state("c", 14)]
+    assert [s.key for s in BoundedLoadFilter(1.25, slack=2).filter(cycle, high)] == ["b", "c"]
+    assert [s.key for s in BoundedLoadFilter(1.25, slack=2).filter(cycle, [state("a", 24), *high[1:]])] == \
+        ["a", "b", "c"]

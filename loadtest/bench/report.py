@@ -75,20 +75,25 @@ def _targets_cell(checks: Sequence[TargetCheck]) -> str:
 
 _HEADER = (
     "| row | hit rate | % of oracle | TTFT p50 ms | TTFT p99 ms | E2E p50 ms | E2E p99 ms | req/s | out tok/s "
-    "| requests | errors | max/mean req | replica shares | targets |\n"
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|\n"
+    "| requests | errors | max/mean req | replica shares | kvgate decisions | targets |\n"
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n"
 )
+
+
+def _decisions_cell(decisions: dict[str, int]) -> str:
+    """How a kvgate row routed, by reason: prefix hit, cold placement, overflow past a replica at its load cap, ..."""
+    return "<br>".join(f"{reason} {count}" for reason, count in sorted(decisions.items()) if count) or "-"
 
 
 def _table_row(row: RowSummary) -> str:
     if row.failure is not None:
-        return f"| {row.name} | did not run: {row.failure} |" + " |" * 12 + "\n"
+        return f"| {row.name} | did not run: {row.failure} |" + " |" * 13 + "\n"
     shares = " / ".join(f"{share * 100:.0f}%" for share in row.replica_shares) or "-"
     balance = "-" if row.max_over_mean is None else f"{row.max_over_mean:.2f}"
     cells = [
         row.name, _pct(row.hit_rate), _pct(row.hit_share_of_oracle), _ms(row.ttft_p50), _ms(row.ttft_p99),
         _ms(row.e2e_p50), _ms(row.e2e_p99), f"{row.requests_per_second:.1f}", f"{row.output_tokens_per_second:.0f}",
-        str(row.requests), str(row.errors), balance, shares, _targets_cell(row.targets),
+        str(row.requests), str(row.errors), balance, shares, _decisions_cell(row.decisions), _targets_cell(row.targets),
     ]  # fmt: skip
     return "| " + " | ".join(cells) + " |\n"
 

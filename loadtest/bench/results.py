@@ -41,6 +41,7 @@ class RowRun:
     load: LoadSeries = field(default_factory=LoadSeries)
     wall_seconds: float = 0.0
     error: str | None = None  # set when the row could not run at all
+    decisions: dict[str, int] = field(default_factory=dict)  # kvgate rows: routing decisions by reason
 
     def replica_total(self, counter: str) -> int:
         """A `/sim/stats` counter summed over the row's replicas."""

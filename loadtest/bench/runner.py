@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 
 from loadtest.bench.client import ConversationDriver, RequestSample
+from loadtest.bench.gateway_probe import read_decisions
 from loadtest.bench.processes import ProcessError, start_external, start_gateway, start_sim_fleet
 from loadtest.bench.results import BASELINE_POLICY, EXTERNAL, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
 from loadtest.bench.sim_probe import LoadSampler, read_stats, reset_stats
@@ -82,6 +83,8 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
                         await reset_stats(session, sim_urls)
                         await _measure(row, session, sim_urls, targets or sim_urls, spec, conversations,
                                        _Ticker(f"{skew}/{plan.name}", progress))
+                        if plan.kind == KVGATE:
+                            row.decisions = await read_decisions(session, targets)
                 except ProcessError as exc:
                     row.error = str(exc).splitlines()[0]
                     log.warning("bench row failed row=%s/%s error=%s", skew, plan.name, exc)

@@ -54,6 +54,7 @@ class RowSummary:
     replica_shares: list[float]
     preemptions: int
     evictions: int
+    decisions: dict[str, int] = field(default_factory=dict)  # kvgate rows: routing decisions by reason
     failure: str | None = None  # why the row could not run
     targets: list[TargetCheck] = field(default_factory=list)
 
@@ -86,6 +87,7 @@ def summarise_row(row: RowRun, oracle_hit_rate: float | None) -> RowSummary:
         replica_shares=[count / total for count in per_replica] if total else [],
         preemptions=row.replica_total("preemptions") if row.replica_stats else 0,
         evictions=row.replica_total("evictions") if row.replica_stats else 0,
+        decisions=row.decisions,
         failure=row.error,
     )
 
