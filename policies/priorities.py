@@ -105,19 +105,24 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats that must stay free for more important classes,
-    pooled over the fleet because a request that needs a seat is routed to whichever replica has one. A
-    class keeping a reserve sends a replica whose seats are unknown one request at a time past its last
-    scraped queue: enough to fill it and show its seat count, never a queue that others wait behind. `probe`
-    is headroom()'s.
+    pooled over the fleet because a request that needs a seat is routed to whichever replica has one.
+    `probe` is headroom()'s. A class keeping a reserve sends a replica whose seats are unknown one request
+    at a time past its last scraped queue: enough to fill it and show its seat count, never a queue that
+    others wait behind.
     """
-    if reserve <= 0:
-        return sum(headroom(state, limits, probe) for state in candidates)
-    seated = [state for state in candidates if state.seats]
-    room = sum(min(headroom(state, limits), max(0, 1 - state.estimated_waiting))
-               for state in candidates if not state.seats)
+    room = 0.0
+    seated: list[EndpointState] = []
+    for state in candidates:
+        if state.seats:
+            seated.append(state)
+        else:
+            room += min(headroom(state, limits), max(0, 1 - state.estimated_waiting)) if reserve > 0 \
+                else headroom(state, limits)
     if seated:
-        seats = sum(state.seats or 0 for state in seated)
-        kept = min(math.ceil(reserve * seats), seats - 1)  # never every seat: the class would starve
-        free = sum(state.free_seats or 0 for state in seated) - kept
-        room += min(sum(headroom(state, limits, probe) for state in seated), max(0, free))
+        seated_room = sum(headroom(state, limits, probe) for state in seated)
+        if reserve > 0:
+            seats = sum(state.seats or 0 for state in seated)
+            kept = min(math.ceil(reserve * seats), seats - 1)  # never every seat: the class would starve
+            seated_room = min(seated_room, max(0, sum(state.free_seats or 0 for state in seated) - kept))
+        room += seated_room
     return room

@@ -113,6 +113,10 @@ def test_a_reserve_keeps_that_share_of_the_fleets_seats_free() -> None:
     assert fleet_headroom(fleet, limits, reserve=0.25) == 1  # 4 of the 16 seats stay free
     assert fleet_headroom(fleet, limits, reserve=0.5) == 0
     assert fleet_headroom(fleet, SaturationThresholds(queue=5, seats=8, seated_queue=2)) == 3 + 5  # queue bound
+    learned = [seated("a", seats=8, running=8), seated("b", seats=8, running=8)]
+    assert fleet_headroom(learned, limits) == 0  # configured: exactly the seats
+    assert fleet_headroom(learned, SaturationThresholds(queue=5)) == 2  # learned: one past each count ...
+    assert fleet_headroom(learned, SaturationThresholds(queue=5), probe=False) == 0  # ... unless not probing
 
 
 def test_a_replica_of_unknown_seats_gets_no_queue_from_a_class_keeping_a_reserve() -> None:
