@@ -15,7 +15,9 @@ from aiohttp import web
 
 from loadtest.priority.client import Outcome, run_open_loop
 from loadtest.priority.report import write_docs_section
+from loadtest.priority.rows import ROWS
 from loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
+from loadtest.simulator import SimOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
@@ -148,3 +150,12 @@ async def test_client_tells_shed_broken_and_unanswered_requests_apart(odd_server
     assert broken.outcome is Outcome.ERROR and broken.ttft is not None
     assert "without [DONE]" in broken.detail
     assert unanswered.outcome is Outcome.LOST
+
+
+def test_rows_configure_seats_as_deployed_unless_they_measure_learning_them() -> None:
+    sim = SimOptions(max_num_seqs=32)
+    assert ["--saturation-seats", "32"] == ROWS["a"].gateway_flags(sim)[2:4]
+    assert "--saturation-seats" not in ROWS["e"].gateway_flags(sim)
+    fifo = ROWS["b"].gateway_flags(sim)
+    assert "--saturation-seats" not in fifo and fifo[fifo.index("--admission-preemptible") + 1] == ""
+    assert ROWS["d"].sim_options(sim).priority_scheduling and not ROWS["a"].sim_options(sim).priority_scheduling

@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,11 +13,10 @@ from typing import Any
 
 import orjson
 
+from loadtest import docs_section
 from loadtest.bench.summary import RowSummary, TargetCheck
 
-DOCS_START = "<!-- bench:routing:start -->"
-DOCS_END = "<!-- bench:routing:end -->"
-_DOCS_TITLE = "# Benchmarks\n\n"
+DOCS_START, DOCS_END = docs_section.markers("routing")
 
 
 @dataclass(slots=True)
@@ -143,22 +141,9 @@ def render_markdown(report: BenchReport) -> str:
     return f"# kvgate routing benchmark\n\n{_setup(report)}Result: {verdict}.\n\n{_tables(report, True)}"
 
 
-def docs_section(report: BenchReport) -> str:
-    """The docs/benchmarks.md section between the markers: setup and tables, no plots."""
-    return f"{DOCS_START}\n## Routing benchmark\n\n{_setup(report)}{_tables(report, False)}{DOCS_END}"
-
-
 def update_docs(path: Path, report: BenchReport) -> None:
-    """Replace the routing section of a docs file (append it, or create the file, when absent)."""
-    section = docs_section(report)
-    text = path.read_text(encoding="utf-8") if path.exists() else _DOCS_TITLE
-    pattern = re.compile(re.escape(DOCS_START) + r".*?" + re.escape(DOCS_END), re.DOTALL)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+    """Replace the routing section of a docs file: setup and tables, no plots (append it when absent)."""
+    docs_section.write_docs_section(path, "routing", f"## Routing benchmark\n\n{_setup(report)}{_tables(report, False)}")
 
 
 def write_report(report: BenchReport, out_dir: Path) -> tuple[Path, Path]:

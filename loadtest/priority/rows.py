@@ -21,7 +21,7 @@ class RowSpec:
     policy: str = "cache-aware"
     admission: bool = True
     upstream_priority: bool = False  # kvgate sets vLLM's `priority`; the replicas order their queue by it
-    seats_configured: bool = False  # kvgate is told the replicas' max_num_seqs instead of learning it from /metrics
+    seats_learned: bool = False  # kvgate learns the replicas' max_num_seqs from /metrics instead of being told it
     batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
 
     def gateway_flags(self, sim: SimOptions) -> list[str]:
@@ -29,7 +29,7 @@ class RowSpec:
         flags = ["--policy", self.policy]
         if not self.admission:
             flags += NO_ADMISSION_FLAGS
-        elif self.seats_configured:
+        elif not self.seats_learned:  # as the manifests in deploy/ do
             flags += ["--saturation-seats", str(sim.max_num_seqs)]
         if self.upstream_priority:
             flags += ["--upstream-priority", "true"]
@@ -40,15 +40,14 @@ class RowSpec:
         return dataclasses.replace(base, priority_scheduling=self.upstream_priority)
 
 
-ADMISSION = RowSpec("a", "cache-aware + admission control")
+ADMISSION = RowSpec("a", "cache-aware + admission control, max_num_seqs configured as deploy/ does")
 FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False)
 ROUND_ROBIN_FIFO = RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False)
-UPSTREAM_PRIORITY = RowSpec("d", "cache-aware + admission control + upstream priority", upstream_priority=True)
-SEATS_CONFIGURED = RowSpec("e", "as (d), with the replicas' max_num_seqs configured instead of learned",
-                           upstream_priority=True, seats_configured=True)
-
+UPSTREAM_PRIORITY = RowSpec("d", "as (a) + upstream priority", upstream_priority=True)
+SEATS_LEARNED = RowSpec("e", "as (a), with max_num_seqs learned from /metrics instead of configured",
+                        seats_learned=True)
 BATCH_STREAMED = RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve",
                          batch_stream=True)
 
-ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SEATS_CONFIGURED,
+ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SEATS_LEARNED,
                                  BATCH_STREAMED)}
