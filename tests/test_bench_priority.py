@@ -152,10 +152,12 @@ async def test_client_tells_shed_broken_and_unanswered_requests_apart(odd_server
     assert unanswered.outcome is Outcome.LOST
 
 
-def test_rows_configure_seats_as_deployed_unless_they_measure_learning_them() -> None:
+def test_rows_run_as_deployed_unless_they_measure_a_difference() -> None:
     sim = SimOptions(max_num_seqs=32)
     assert ["--saturation-seats", "32"] == ROWS["a"].gateway_flags(sim)[2:4]
     assert "--saturation-seats" not in ROWS["e"].gateway_flags(sim)
     fifo = ROWS["b"].gateway_flags(sim)
     assert "--saturation-seats" not in fifo and fifo[fifo.index("--admission-preemptible") + 1] == ""
-    assert ROWS["d"].sim_options(sim).priority_scheduling and not ROWS["a"].sim_options(sim).priority_scheduling
+    assert ROWS["a"].sim_options(sim).priority_scheduling and "--upstream-priority" in ROWS["a"].gateway_flags(sim)
+    for key in ("b", "d"):
+        assert not ROWS[key].sim_options(sim).priority_scheduling and "--upstream-priority" not in ROWS[key].gateway_flags(sim)

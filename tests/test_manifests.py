@@ -359,6 +359,8 @@ def test_gateway_config_file_is_accepted_by_kvgate(built: list[dict[str, Any]], 
     assert config.namespace == deployment["metadata"]["namespace"]
     vllm = container(find_obj(built, "Deployment", "vllm"), "vllm")
     assert config.saturation.seats == int(cli_value(vllm["args"], "--max-num-seqs"))  # the seats kvgate assumes
+    # vLLM refuses a `priority` unless it schedules by priority.
+    assert config.upstream_priority == (cli_value(vllm["args"], "--scheduling-policy") == "priority")
 
 
 def test_grace_period_outlasts_prestop_and_drain(built: list[dict[str, Any]]) -> None:

@@ -20,7 +20,7 @@ class RowSpec:
     title: str
     policy: str = "cache-aware"
     admission: bool = True
-    upstream_priority: bool = False  # kvgate sets vLLM's `priority`; the replicas order their queue by it
+    upstream_priority: bool = True  # kvgate sets vLLM's `priority`; the replicas order their queue by it
     seats_learned: bool = False  # kvgate learns the replicas' max_num_seqs from /metrics instead of being told it
     batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
 
@@ -40,14 +40,17 @@ class RowSpec:
         return dataclasses.replace(base, priority_scheduling=self.upstream_priority)
 
 
-ADMISSION = RowSpec("a", "cache-aware + admission control, max_num_seqs configured as deploy/ does")
-FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False)
-ROUND_ROBIN_FIFO = RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False)
-UPSTREAM_PRIORITY = RowSpec("d", "as (a) + upstream priority", upstream_priority=True)
+ADMISSION = RowSpec("a", "cache-aware + admission control as deploy/ ships it: max_num_seqs configured, "
+                              "upstream priority")
+FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False, upstream_priority=False)
+ROUND_ROBIN_FIFO = RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False,
+                           upstream_priority=False)
+NO_UPSTREAM_PRIORITY = RowSpec("d", "as (a), replicas first come first served (no upstream priority)",
+                               upstream_priority=False)
 SEATS_LEARNED = RowSpec("e", "as (a), with max_num_seqs learned from /metrics instead of configured",
                         seats_learned=True)
 BATCH_STREAMED = RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve",
                          batch_stream=True)
 
-ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, UPSTREAM_PRIORITY, SEATS_LEARNED,
+ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, NO_UPSTREAM_PRIORITY, SEATS_LEARNED,
                                  BATCH_STREAMED)}
