@@ -5,7 +5,7 @@ This module is pure data (no I/O) so that `policies/` can depend on it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +107,9 @@ class FleetSnapshot:
 
     endpoints: tuple[EndpointState, ...]
     now: float = 0.0
+    # candidates() per model: admission, preemption and the pick all ask for them about one request
+    _candidates: dict[str, tuple[EndpointState, ...]] = field(default_factory=dict, init=False, repr=False,
+                                                               compare=False)
 
     def candidates(self, model: str) -> tuple[EndpointState, ...]:
         """Endpoints that serve `model`, accept new requests and are healthy.
@@ -114,9 +117,11 @@ class FleetSnapshot:
         When every such endpoint's breaker is open, all of them are candidates: failing open beats failing
         every request on the word of a breaker.
         """
-        serving = tuple(s for s in self.endpoints if s.endpoint.accepting and s.serves(model))
-        healthy = tuple(s for s in serving if s.healthy)
-        return healthy or serving
+        found = self._candidates.get(model)
+        if found is None:
+            serving = tuple(s for s in self.endpoints if s.endpoint.accepting and s.serves(model))
+            found = self._candidates[model] = tuple(s for s in serving if s.healthy) or serving
+        return found
 
     def known_models(self) -> frozenset[str]:
         """Union of the models every endpoint reports."""

@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 from dataclasses import dataclass, field
 
 from endpoints.model import EndpointState
+
+T = TypeVar("T")
 
 
 class Preempted(Exception):
@@ -61,6 +64,25 @@ class PreemptionRegistry:
         entry = Preemptible(model, replica, rank, next(self._seq))
         self._on_replica.setdefault(replica, []).append(entry)
         return entry
+
+    async def unless_preempted(self, model: str, replica: str, rank: int, answer: Awaitable[T]) -> T:
+        """Await a request's `answer` from `replica` while a more important request may take its seat.
+
+        If one does first, the request is cancelled (vLLM aborts a request whose connection closes) and
+        Preempted is raised. Either way it stops being preemptible once this returns.
+        """
+        entry = self.track(model, replica, rank)
+        task = asyncio.ensure_future(answer)
+        try:
+            await asyncio.wait((task, entry.signal), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.untrack(entry)
+        if task.cancelled():
+            raise Preempted()
+        return task.result()
 
     def untrack(self, entry: Preemptible) -> None:
         """The request's replica answered, or it finished or was preempted: it holds no preemptible seat now."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import aiohttp
@@ -17,7 +16,7 @@ from policies.types import Decision, Policy
 from router.errors import GatewayError, error_body
 from router.headers import forwardable
 from router.metrics import GatewayMetrics
-from router.preemption import Preempted, Preemptible, PreemptionRegistry
+from router.preemption import PreemptionRegistry
 from router.requests import ParsedRequest
 
 log = logging.getLogger(__name__)
@@ -28,7 +27,6 @@ _SSE = "text/event-stream"
 _DECODED = frozenset({"content-encoding"})
 _WHOLE_BODY_LIMIT = 1024 * 1024  # plain answers up to this size are relayed in one write
 CLIENT_GONE = 499  # nginx's code for "client closed the request"; used in logs and metrics only
-_Opened = tuple[aiohttp.ClientResponse, bytes | None]  # the replica's response, and its body if already read
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,19 +134,13 @@ class Forwarder:
         gauge = self._metrics.in_flight.labels(key)
         gauge.inc()
         upstream: aiohttp.ClientResponse | None = None
-        seat: Preemptible | None = None
-        if self._preemption is not None and preemptible_rank is not None:
-            seat = self._preemption.track(parsed.info.model, key, preemptible_rank)
         try:
             opening = self._open(target, request, parsed, headers)
-            upstream, prefetched = await (opening if seat is None else _unless_preempted(opening, seat))
-            if seat is not None:
-                self._preemption.untrack(seat)
-                seat = None
+            if self._preemption is not None and preemptible_rank is not None:
+                opening = self._preemption.unless_preempted(parsed.info.model, key, preemptible_rank, opening)
+            upstream, prefetched = await opening
             return await self._relay(request, upstream, prefetched, outcome)
         finally:
-            if seat is not None:
-                self._preemption.untrack(seat)
             gauge.dec()
             self._fleet.release(key)
             if upstream is not None:
@@ -160,7 +152,7 @@ class Forwarder:
                     upstream.close()
 
     async def _open(self, target: EndpointState, request: web.Request, parsed: ParsedRequest,
-                    headers: dict) -> _Opened:
+                    headers: dict) -> tuple[aiohttp.ClientResponse, bytes | None]:
         """Send the request; returns the response and its body when it had to be read already."""
         url = target.endpoint.url + request.rel_url.path_qs
         try:
@@ -253,17 +245,3 @@ class Forwarder:
                 return response
         await response.write_eof()
         return response
-
-
-async def _unless_preempted(opening: Awaitable[_Opened], seat: Preemptible) -> _Opened:
-    """Await the replica's answer; cancel the request (vLLM aborts it) and raise Preempted if its seat is taken."""
-    answer = asyncio.ensure_future(opening)
-    try:
-        await asyncio.wait((answer, seat.signal), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not answer.done():
-            answer.cancel()
-            await asyncio.gather(answer, return_exceptions=True)
-    if answer.cancelled():
-        raise Preempted()
-    return answer.result()

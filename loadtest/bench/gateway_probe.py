@@ -1,29 +1,32 @@
-"""Reading what kvgate gateways decided during a row: their routing decisions by reason, from /metrics."""
+"""Reading a kvgate gateway's own counters from its /metrics: what it decided during a benchmark run."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 _DECISIONS = "kvgate_routing_decisions"
 
 
+async def metric_samples(session: aiohttp.ClientSession, url: str, families: Collection[str]) -> list[Sample]:
+    """The samples of the named metric families on the gateway at `url`."""
+    async with session.get(url + "/metrics") as response:
+        response.raise_for_status()
+        text = await response.text()
+    return [sample for family in text_string_to_metric_families(text) if family.name in families
+            for sample in family.samples]
+
+
 async def read_decisions(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, int]:
     """Routing decisions by reason (prefix_hit, cold, overflow, ...), summed over the gateways at `urls`."""
-    async def page(url: str) -> str:
-        async with session.get(url + "/metrics") as response:
-            response.raise_for_status()
-            return await response.text()
-
     totals: Counter[str] = Counter()
-    for text in await asyncio.gather(*(page(url) for url in urls)):
-        for family in text_string_to_metric_families(text):
-            if family.name == _DECISIONS:
-                for sample in family.samples:
-                    if sample.name.endswith("_total"):
-                        totals[sample.labels["reason"]] += int(sample.value)
+    for samples in await asyncio.gather(*(metric_samples(session, url, {_DECISIONS}) for url in urls)):
+        for sample in samples:
+            if sample.name.endswith("_total"):
+                totals[sample.labels["reason"]] += int(sample.value)
     return dict(totals)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.bench.gateway_probe import metric_samples
 from loadtest.bench.processes import HOST, ChildProcess, base_url, free_ports, start_sim_fleet
 from loadtest.simulator import SimOptions
 
@@ -77,14 +77,10 @@ async def services(name: str, replicas: int, options: SimOptions, flags: Sequenc
 async def admission_counters(gateway_url: str) -> dict[str, float]:
     """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        async with session.get(gateway_url + "/metrics") as response:
-            text = await response.text()
+        samples = await metric_samples(session, gateway_url, _ADMISSION_METRICS)
     counters: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in _ADMISSION_METRICS:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith(_COUNTED_SUFFIXES):
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
+    for sample in samples:
+        if sample.name.endswith(_COUNTED_SUFFIXES):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
     return counters
