@@ -115,9 +115,10 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     for state in candidates:
         if state.seats:
             seated.append(state)
+        elif reserve > 0:
+            room += min(headroom(state, limits), max(0, 1 - state.estimated_waiting))
         else:
-            room += min(headroom(state, limits), max(0, 1 - state.estimated_waiting)) if reserve > 0 \
-                else headroom(state, limits)
+            room += headroom(state, limits)
     if seated:
         seated_room = sum(headroom(state, limits, probe) for state in seated)
         if reserve > 0:

@@ -13,8 +13,8 @@ import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from endpoints.model import EndpointState
 
