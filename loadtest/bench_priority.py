@@ -26,9 +26,9 @@ from loadtest.simulator import SimOptions
 
 # Small enough for a 2-core machine: tens of requests per second, so the Python load generator keeps its schedule.
 SIM = SimOptions(max_num_seqs=32, decode_step_seconds=0.05, default_max_tokens=32, speed=1.0)
-FULL = Plan(replicas=3, sim=SIM, max_tokens=32, prompt_words=48, capacity_warmup_s=2, capacity_s=8,
+FULL = Plan(replicas=3, sim=SIM, max_tokens=32, prompt_words=48, capacity_s=8,
             unloaded_s=30, overload_s=60, rows=("a", "b", "c", "d", "e", "f"))
-QUICK = dataclasses.replace(FULL, capacity_warmup_s=1, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1,
+QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1,
                             rows=("a", "b", "c"))
 
 

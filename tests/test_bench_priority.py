@@ -32,7 +32,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     result = subprocess.run(
         [sys.executable, "-m", "loadtest.bench_priority", *TINY, "--json", str(out / "report.json"),
          "--docs", str(docs)],
-        cwd=ROOT, capture_output=True, text=True, timeout=90, check=False,
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     return orjson.loads((out / "report.json").read_bytes()), docs.read_text()

@@ -15,7 +15,7 @@ from loadtest.priority.probe import QueueProbe
 from loadtest.priority.rig import Services, admission_counters, fleet, gateway, services
 from loadtest.priority.rows import ADMISSION, FIFO, ROWS
 from loadtest.priority.summary import RunResult, summarise, verdict
-from loadtest.priority.workload import INTERACTIVE, Arrival, poisson_arrivals, request_body
+from loadtest.priority.workload import INTERACTIVE, Arrival, output_tokens_max, poisson_arrivals, request_body
 from loadtest.simulator import SimOptions
 
 Progress = Callable[[str], None]
@@ -29,7 +29,6 @@ class Plan:
     sim: SimOptions
     max_tokens: int
     prompt_words: int
-    capacity_warmup_s: float
     capacity_s: float
     unloaded_s: float
     overload_s: float
@@ -45,11 +44,20 @@ class Plan:
         """How long a run waits for open requests after its last send: the backlog's drain time, with margin."""
         return 1.5 * self.overload_s * (self.overload_factor - 1) + 10
 
+    def _full_batch_step_s(self) -> float:
+        """Seconds of one decode step with every seat busy, from the simulator's timing model."""
+        sim = self.sim
+        return sim.scaled(sim.decode_step_seconds + sim.decode_seconds_per_seq * sim.max_num_seqs)
+
     def derived_capacity(self) -> float:
         """Requests per second the fleet completes with every seat busy, from the simulator's timing model."""
-        sim = self.sim
-        step_s = sim.scaled(sim.decode_step_seconds + sim.decode_seconds_per_seq * sim.max_num_seqs)
-        return self.replicas * sim.max_num_seqs / (self.max_tokens * step_s)
+        return self.replicas * self.sim.max_num_seqs / (self.max_tokens * self._full_batch_step_s())
+
+    @property
+    def capacity_warmup_s(self) -> float:
+        """How long the capacity probe runs before it counts: its first wave starts at once on a cold fleet, and
+        completions reach the steady rate only once the longest request of that wave has finished."""
+        return output_tokens_max(self.max_tokens) * self._full_batch_step_s()
 
     def body_for(self, arrival: Arrival, batch_stream: bool = False) -> bytes:
         """The body of one request: interactive ones stream, batch ones read whole answers unless `batch_stream`."""
@@ -58,7 +66,8 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON."""
-        return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s}
+        return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s,
+                "capacity_warmup_s": round(self.capacity_warmup_s, 2)}
 
 
 async def _run(plan: Plan, target: Services, key: str, title: str, rate: float, duration: float,

@@ -71,7 +71,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "as batch jobs do (streamed in row f).",
         "",
         f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
-        f"always open directly against the replicas, {plan['capacity_s']} s); {capacity['derived_rps']} req/s from the "
+        f"always open directly against the replicas, {plan['capacity_s']} s after a {plan['capacity_warmup_s']} s warm-up, "
+        f"the longest request's time); {capacity['derived_rps']} req/s from the "
         f"simulator's timing model (the difference is CPU contention on this machine). Loads below are multiples "
         f"of the measured value.",
         "",

@@ -42,7 +42,12 @@ def poisson_arrivals(rate: float, duration: float, batch_fraction: float, seed: 
 
 def output_tokens(index: int, mean: int) -> int:
     """Request `index`'s output length: uniform over mean/2 .. 3 mean/2, as real answers vary (fixed per index)."""
-    return random.Random(index).randint(mean // 2, mean + mean // 2)
+    return random.Random(index).randint(mean // 2, output_tokens_max(mean))
+
+
+def output_tokens_max(mean: int) -> int:
+    """The longest output `output_tokens` gives for `mean`."""
+    return mean + mean // 2
 
 
 def request_body(model: str, index: int, prompt_words: int, max_tokens: int, stream: bool = True) -> bytes:
