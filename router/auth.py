@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 from aiohttp import hdrs, web
+from prometheus_client import Counter
 
 from router.config import ConfigError
 from router.errors import GatewayError, error_response
@@ -239,8 +240,12 @@ def _is_open(request: web.Request) -> bool:
     return path is not None and (path in _OPEN_PATHS or path.startswith(_OPEN_PREFIX))
 
 
-def auth_middleware(store: ApiKeyStore) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    """Middleware that answers 401 unless the request presents a key of `store` (probes and metrics excepted)."""
+def auth_middleware(store: ApiKeyStore,
+                    failures: Counter) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    """Middleware that answers 401 unless the request presents a key of `store` (probes and metrics excepted).
+
+    Each refusal is logged and counted in `failures` by its reason.
+    """
 
     @web.middleware
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -251,6 +256,7 @@ def auth_middleware(store: ApiKeyStore) -> Callable[[web.Request, Handler], Awai
         if key is None:
             reason = "missing" if authorization is None else "invalid"
             log.info("auth rejected path=%s reason=%s peer=%s", request.path, reason, request.remote)
+            failures.labels(reason).inc()
             message = ("an API key is required: send it as 'Authorization: Bearer <key>'" if authorization is None
                        else "invalid API key")
             return error_response(GatewayError(401, message, headers={"WWW-Authenticate": 'Bearer realm="kvgate"'}))

@@ -42,6 +42,8 @@ class GatewayMetrics:
                                           buckets=_FRACTION_BUCKETS, registry=r)
         self.rejected = Counter("kvgate_rejected_requests", "Requests answered by the gateway itself with an error",
                                 ["status", "reason"], registry=r)
+        self.auth_failures = Counter("kvgate_auth_failures", "Requests refused with 401, by reason (missing, invalid)",
+                                     ["reason"], registry=r)
 
         self.queue_depth = Gauge("kvgate_admission_queue_depth", "Requests waiting in the gateway, by class",
                                  ["priority_class"], registry=r)

@@ -39,7 +39,9 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
 def build_apps(gateway: Gateway) -> tuple[web.Application, web.Application | None]:
     """The public application and, when an admin listener is configured, the admin one."""
     handlers = Handlers(gateway)
-    middlewares = [openai_errors] + ([auth_middleware(gateway.keys)] if gateway.keys else [])
+    middlewares = [openai_errors]
+    if gateway.keys:
+        middlewares.append(auth_middleware(gateway.keys, gateway.metrics.auth_failures))
     app = web.Application(middlewares=middlewares, client_max_size=gateway.config.max_body_bytes)
     app.cleanup_ctx.append(gateway.lifecycle)
     for path in ROUTE_KINDS:

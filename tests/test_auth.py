@@ -25,7 +25,7 @@ from router.config import ConfigError
 from router.errors import GatewayError
 from router.ratelimit import RateLimiter, estimate_tokens
 from router.requests import ParsedRequest
-from tests.harness import running_gateway, scripted_replica, wait_until
+from tests.harness import FakeClock, running_gateway, scripted_replica, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 ROOT = Path(__file__).resolve().parent.parent
@@ -222,14 +222,6 @@ async def test_running_store_picks_up_a_changed_file_within_its_poll_interval(tm
 # Rate limits
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_requests_per_minute_allows_a_burst_then_one_request_per_interval() -> None:
     clock = FakeClock()
     limiter = RateLimiter(clock)
@@ -332,8 +324,13 @@ async def test_inference_and_models_need_a_valid_key_while_probes_and_metrics_do
             await wrong.chat.completions.create(**CHAT)
         await sdk.close()
         await wrong.close()
+        async with client.get(gw.url + "/metrics") as resp:
+            metrics = await resp.text()
     assert completion.choices[0].message.content
     assert forwarded_count(sim) == 1
+    # Without a header: the chat, /v1/models and /v1/unknown; with a wrong one: two chats and the SDK's.
+    assert 'kvgate_auth_failures_total{reason="missing"} 3.0' in metrics
+    assert 'kvgate_auth_failures_total{reason="invalid"} 3.0' in metrics
 
 
 async def test_the_key_reaches_no_replica_when_the_gateway_checks_it(tmp_path) -> None:
