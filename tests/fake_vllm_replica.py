@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,12 +100,3 @@ def refused_endpoint() -> Endpoint:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     return Endpoint(key=url, url=url)
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
-    """Poll `condition` every 10 ms; fail the test if it stays false for `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s")
-        await asyncio.sleep(0.01)

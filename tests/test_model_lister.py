@@ -8,7 +8,8 @@ import logging
 import pytest
 
 from endpoints.models import ModelLister, model_ids
-from tests.fake_vllm_replica import models_payload, refused_endpoint, wait_until
+from tests.fake_vllm_replica import models_payload, refused_endpoint
+from tests.harness import wait_until
 
 BASE = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -68,12 +69,12 @@ async def test_run_lists_new_endpoints_right_away_then_every_refresh(session, st
     lister.set_endpoints([first.endpoint])
     task = asyncio.create_task(lister.run())
     try:
-        await wait_until(lambda: lister.models(first.endpoint.key) == {BASE}, timeout_s=0.5)
+        await wait_until(lambda: lister.models(first.endpoint.key) == {BASE}, timeout=0.5)
         second = await start_replica(models=models_payload(("Qwen/Qwen3-32B", None)))
         lister.set_endpoints([first.endpoint, second.endpoint])
-        await wait_until(lambda: bool(lister.models(second.endpoint.key)), timeout_s=0.5)  # not after refresh_s
+        await wait_until(lambda: bool(lister.models(second.endpoint.key)), timeout=0.5)  # not after refresh_s
         first.models = models_payload((BASE, None), ("sql-lora", BASE))
-        await wait_until(lambda: "sql-lora" in lister.models(first.endpoint.key), timeout_s=3.0)
+        await wait_until(lambda: "sql-lora" in lister.models(first.endpoint.key), timeout=3.0)
     finally:
         task.cancel()
     assert second.hits["/v1/models"] <= 2  # refreshed on its own schedule, not on every wake-up
@@ -87,7 +88,7 @@ async def test_run_retries_a_failed_listing_sooner_than_the_refresh(session, sta
     try:
         await wait_until(lambda: loading.hits["/v1/models"] >= 1)
         loading.status = 200
-        await wait_until(lambda: lister.models(loading.endpoint.key) == {BASE}, timeout_s=1.0)
+        await wait_until(lambda: lister.models(loading.endpoint.key) == {BASE}, timeout=1.0)
     finally:
         task.cancel()
 

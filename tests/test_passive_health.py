@@ -7,21 +7,13 @@ import aiohttp
 
 from endpoints.health import PassiveHealth
 from loadtest.simulator import SimFleet, SimOptions
-from tests.harness import closed_port, running_gateway
+from tests.harness import FakeClock, closed_port, running_gateway
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_opens_after_consecutive_failures_and_backs_off_longer_each_time() -> None:
-    clock = Clock()
+    clock = FakeClock()
     health = PassiveHealth(threshold=3, base_backoff_s=1.0, max_backoff_s=4.0, clock=clock)
     health.failure("a", "connect")
     health.failure("a", "connect")
@@ -44,7 +36,7 @@ def test_breaker_opens_after_consecutive_failures_and_backs_off_longer_each_time
 
 
 def test_failures_of_requests_in_flight_when_it_broke_do_not_stretch_the_backoff() -> None:
-    clock = Clock()
+    clock = FakeClock()
     health = PassiveHealth(threshold=1, base_backoff_s=1.0, max_backoff_s=30.0, clock=clock)
     for _ in range(10):  # ten streams on the replica all fail at the moment it dies
         health.failure("a", "stream_broken")
@@ -53,7 +45,7 @@ def test_failures_of_requests_in_flight_when_it_broke_do_not_stretch_the_backoff
 
 
 def test_a_success_resets_the_count_and_4xx_is_not_a_failure() -> None:
-    health = PassiveHealth(threshold=2, clock=Clock())
+    health = PassiveHealth(threshold=2, clock=FakeClock())
     health.failure("a", "connect")
     health.success("a")
     health.failure("a", "connect")

@@ -16,19 +16,10 @@ from endpoints.prometheus_text import select_samples
 from endpoints.scraper import MetricsScraper
 from endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics
 from loadtest.vllm_metrics_page import LEGACY_KV_USAGE, EngineLoad, LoraSeries, render_vllm_metrics
-from tests.fake_vllm_replica import refused_endpoint, wait_until
+from tests.fake_vllm_replica import refused_endpoint
+from tests.harness import FakeClock, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-
-
-class FakeClock:
-    """A settable clock, so staleness by age is tested without sleeping."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def test_reads_load_cache_size_and_newest_lora_series_from_a_two_engine_page(session, start_replica):
