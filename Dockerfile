@@ -13,10 +13,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
         > /tmp/requirements.txt \
     && pip --python /opt/venv/bin/python install -r /tmp/requirements.txt
 COPY README.md ./
-COPY router ./router
-COPY endpoints ./endpoints
-COPY policies ./policies
-COPY loadtest ./loadtest
+COPY kvgate ./kvgate
 RUN pip wheel --no-deps --wheel-dir /tmp/wheels . \
     && pip --python /opt/venv/bin/python install --no-deps /tmp/wheels/*.whl
 

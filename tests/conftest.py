@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from endpoints.kubernetes import load_kubernetes_config
+from kvgate.endpoints.kubernetes import load_kubernetes_config
 from tests.k8s_api import K8sTestApi
 
 pytest_plugins = ["tests.fake_vllm_replica"]  # its fake replica and client session fixtures

@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from endpoints.model import Endpoint
-from loadtest.vllm_metrics_page import DEFAULT_MODEL, EngineLoad, render_vllm_metrics
+from kvgate.endpoints.model import Endpoint
+from kvgate.loadtest.vllm_metrics_page import DEFAULT_MODEL, EngineLoad, render_vllm_metrics
 
 
 def models_payload(*cards: tuple[str, str | None]) -> dict[str, Any]:

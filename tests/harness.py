@@ -10,10 +10,10 @@ from typing import Any
 
 from aiohttp import web
 
-from endpoints.discovery import Discovery
-from router.config import build_config
-from router.gateway import Gateway, default_discovery
-from router.server import GatewayServer
+from kvgate.endpoints.discovery import Discovery
+from kvgate.router.config import build_config
+from kvgate.router.gateway import Gateway, default_discovery
+from kvgate.router.server import GatewayServer
 
 
 class RunningGateway:

@@ -7,12 +7,12 @@ import asyncio
 import aiohttp
 import pytest
 
-from loadtest.simulator import SimFleet, SimOptions
-from policies.priorities import PriorityConfig, PriorityError, classify
-from policies.types import RequestInfo
-from router.admission import AdmissionConfig, AdmissionQueue
-from router.errors import GatewayError
-from router.metrics import GatewayMetrics
+from kvgate.simulator import SimFleet, SimOptions
+from kvgate.policies.priorities import PriorityConfig, PriorityError, classify
+from kvgate.policies.types import RequestInfo
+from kvgate.router.admission import AdmissionConfig, AdmissionQueue
+from kvgate.router.errors import GatewayError
+from kvgate.router.metrics import GatewayMetrics
 from tests.harness import running_gateway, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -17,14 +17,14 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
-from loadtest.simulator import SimFleet, SimOptions
-from policies import build_request_info
-from policies.config import RoutingConfig
-from router.auth import ApiKeyStore, KeyInfo, KeysFileError, bearer_token, parse_keys
-from router.config import ConfigError
-from router.errors import GatewayError
-from router.ratelimit import RateLimiter, estimate_tokens
-from router.requests import ParsedRequest
+from kvgate.simulator import SimFleet, SimOptions
+from kvgate.policies import build_request_info
+from kvgate.policies.config import RoutingConfig
+from kvgate.router.auth import ApiKeyStore, KeyInfo, KeysFileError, bearer_token, parse_keys
+from kvgate.router.config import ConfigError
+from kvgate.router.errors import GatewayError
+from kvgate.router.ratelimit import RateLimiter, estimate_tokens
+from kvgate.router.requests import ParsedRequest
 from tests.harness import FakeClock, running_gateway, scripted_replica, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -171,7 +171,7 @@ def test_an_empty_keys_file_refuses_every_key(tmp_path) -> None:
 
 
 def test_edited_file_is_reloaded_and_a_bad_edit_keeps_the_previous_keys(tmp_path, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="router.auth")
+    caplog.set_level(logging.INFO, logger="kvgate.router.auth")
     path = standard_keys(tmp_path)
     store = ApiKeyStore(str(path))
     assert store.reload_if_changed() is False
@@ -417,7 +417,7 @@ async def test_invalid_keys_file_stops_the_gateway_at_start(sim, tmp_path) -> No
 def test_cli_reports_an_invalid_keys_file_as_a_configuration_error(tmp_path) -> None:
     keys = write_keys(tmp_path / "keys.yaml", [{"name": "alice", "key": ALICE_SECRET},
                                                {"name": "bob", "key": ALICE_SECRET}])
-    done = subprocess.run([sys.executable, "-m", "router.cli", "serve", "--listen", "127.0.0.1:0",
+    done = subprocess.run([sys.executable, "-m", "kvgate.router.cli", "serve", "--listen", "127.0.0.1:0",
                            "--endpoints", "http://127.0.0.1:9", "--api-keys-file", str(keys)],
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert done.returncode == 2

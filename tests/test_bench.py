@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.bench.client import RequestSample
-from loadtest.bench.processes import external_argv
-from loadtest.bench.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
-from loadtest.bench.results import BASELINE_POLICY, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
-from loadtest.bench.sizing import fleet_options, oracle_options, sim_flags
-from loadtest.bench.summary import percentile, summarise_scenario
-from loadtest.bench.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
-from loadtest.simulator import SimOptions, add_sim_arguments, sim_options_from_args
+from kvgate.loadtest.bench.client import RequestSample
+from kvgate.loadtest.bench.processes import external_argv
+from kvgate.loadtest.bench.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
+from kvgate.loadtest.bench.results import BASELINE_POLICY, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
+from kvgate.loadtest.bench.sizing import fleet_options, oracle_options, sim_flags
+from kvgate.loadtest.bench.summary import percentile, summarise_scenario
+from kvgate.loadtest.bench.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
+from kvgate.simulator import SimOptions, add_sim_arguments, sim_options_from_args
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -95,7 +95,7 @@ def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Pa
     docs = tmp_path / "benchmarks.md"
     docs.write_text(f"# Benchmarks\n\nIntro.\n\n{DOCS_START}\nold table\n{DOCS_END}\n\n## Other section\n")
     report = BenchReport(
-        command="python -m loadtest.bench", date="2026-01-01 00:00 UTC",
+        command="python -m kvgate.loadtest.bench", date="2026-01-01 00:00 UTC",
         machine={"nproc": 2, "platform": "linux", "python": "3.11"},
         fleet={"replicas": 3, "cache_fraction": 0.25, "num_gpu_blocks": 600, "block_size": 16, "max_num_seqs": 64,
                "speed": 1.0},
@@ -107,14 +107,14 @@ def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Pa
     text = docs.read_text()
     assert "old table" not in text and text.count(DOCS_START) == 1
     assert text.startswith("# Benchmarks\n\nIntro.") and text.rstrip().endswith("## Other section")
-    assert "Machine: 2 CPUs" in text and "`python -m loadtest.bench`" in text
+    assert "Machine: 2 CPUs" in text and "`python -m kvgate.loadtest.bench`" in text
 
 
 def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_path: Path) -> None:
     out = tmp_path / "bench-out"
     docs = tmp_path / "benchmarks.md"
     result = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench", "--quick", "--skew", "zipf", "--out", str(out), "--docs", str(docs)],
+        [sys.executable, "-m", "kvgate.loadtest.bench", "--quick", "--skew", "zipf", "--out", str(out), "--docs", str(docs)],
         cwd=REPO, capture_output=True, text=True, timeout=100,
     )
     assert result.returncode == 0, result.stderr[-3000:]

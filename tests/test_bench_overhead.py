@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.overhead.load import LoadSpec
-from loadtest.overhead.processes import Service, free_port
-from loadtest.overhead.profile import OUTSIDE_KVGATE, summarize
-from loadtest.overhead.report import END_MARKER, START_MARKER, write_docs_section
-from loadtest.overhead.wrk import run_wrk, wrk_available
+from kvgate.loadtest.overhead.load import LoadSpec
+from kvgate.loadtest.overhead.processes import Service, free_port
+from kvgate.loadtest.overhead.profile import OUTSIDE_KVGATE, summarize
+from kvgate.loadtest.overhead.report import END_MARKER, START_MARKER, write_docs_section
+from kvgate.loadtest.overhead.wrk import run_wrk, wrk_available
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW_NAMES = [
@@ -31,7 +31,7 @@ def test_quick_run_reports_every_row_with_plausible_numbers(tmp_path: Path) -> N
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkept\n<!-- bench:other:end -->\n")
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "loadtest.bench_overhead", "--quick", "--client", "python", "--no-profile",
+    subprocess.run([sys.executable, "-m", "kvgate.loadtest.bench_overhead", "--quick", "--client", "python", "--no-profile",
                     "--out", str(out), "--docs", str(docs)], cwd=ROOT, check=True, timeout=90, capture_output=True)
 
     report = json.loads((out / "overhead.json").read_text())
@@ -62,21 +62,21 @@ def test_docs_section_is_replaced_not_duplicated(tmp_path: Path) -> None:
 
 def test_profile_charges_each_sample_to_its_deepest_kvgate_function() -> None:
     raw = "\n".join([
-        "main (router/cli.py);Forwarder._open (router/proxy.py);ClientSession._request (aiohttp/client.py) 6",
-        "main (router/cli.py);Handlers.inference (router/handlers.py);parse_request (router/requests.py) 3",
-        "main (router/cli.py);Runner.run (asyncio/runners.py) 1",
+        "main (kvgate/router/cli.py);Forwarder._open (kvgate/router/proxy.py);ClientSession._request (aiohttp/client.py) 6",
+        "main (kvgate/router/cli.py);Handlers.inference (kvgate/router/handlers.py);parse_request (kvgate/router/requests.py) 3",
+        "main (kvgate/router/cli.py);Runner.run (asyncio/runners.py) 1",
     ])
     profile = summarize(raw)
     assert profile.samples == 10
     assert profile.top_self[0] == ("ClientSession._request (aiohttp/client.py)", 0.6)
-    assert profile.top_kvgate == [("Forwarder._open (router/proxy.py)", 0.6),
-                                  ("parse_request (router/requests.py)", 0.3), (OUTSIDE_KVGATE, 0.1)]
+    assert profile.top_kvgate == [("Forwarder._open (kvgate/router/proxy.py)", 0.6),
+                                  ("parse_request (kvgate/router/requests.py)", 0.3), (OUTSIDE_KVGATE, 0.1)]
 
 
 @pytest.mark.skipif(not wrk_available(), reason="wrk is not installed")
 def test_wrk_adaptor_reads_wrk_summary_from_a_stub() -> None:
     port = free_port()
-    stub = Service("stub", [sys.executable, "-m", "loadtest.overhead.stub", "--ports", str(port)], cpu=None)
+    stub = Service("stub", [sys.executable, "-m", "kvgate.loadtest.overhead.stub", "--ports", str(port)], cpu=None)
     try:
         stub.wait_ready(f"http://127.0.0.1:{port}/v1/models")
         result = run_wrk(LoadSpec(url=f"http://127.0.0.1:{port}", stream=True, concurrency=4, duration_s=1))

@@ -13,11 +13,11 @@ import orjson
 import pytest
 from aiohttp import web
 
-from loadtest.priority.client import Outcome, run_open_loop
-from loadtest.priority.report import write_docs_section
-from loadtest.priority.rows import ROWS
-from loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
-from loadtest.simulator import SimOptions
+from kvgate.loadtest.priority.client import Outcome, run_open_loop
+from kvgate.loadtest.priority.report import write_docs_section
+from kvgate.loadtest.priority.rows import ROWS
+from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
+from kvgate.simulator import SimOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
@@ -30,7 +30,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     docs = out / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:routing:start -->\nrouting table\n<!-- bench:routing:end -->\n")
     result = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_priority", *TINY, "--json", str(out / "report.json"),
+        [sys.executable, "-m", "kvgate.loadtest.bench_priority", *TINY, "--json", str(out / "report.json"),
          "--docs", str(docs)],
         cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
     )

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.requests import ROUTE_KINDS
+from kvgate.router.requests import ROUTE_KINDS
 from tests.harness import RunningGateway, running_gateway
 from tests.recording_replica import MODEL, RecordingReplica, recording_replica
 

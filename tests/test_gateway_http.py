@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from loadtest.simulator import SimFleet, SimOptions
+from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import closed_port, running_gateway, scripted_replica, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

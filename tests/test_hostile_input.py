@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from router.requests import ROUTE_KINDS
+from kvgate.router.requests import ROUTE_KINDS
 from tests.harness import RunningGateway, running_gateway, wait_until
 from tests.raw_http import Address, exchange, parse_responses, read_until_closed, request
 from tests.recording_replica import MODEL, RecordingReplica, recording_replica

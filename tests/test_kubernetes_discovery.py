@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
-from endpoints.k8s_slices import SliceReader
-from endpoints.kubernetes import EndpointSliceWatcher
-from endpoints.model import Endpoint
-from endpoints.multi_discovery import MultiDiscovery
+from kvgate.endpoints.k8s_slices import SliceReader
+from kvgate.endpoints.kubernetes import EndpointSliceWatcher
+from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.multi_discovery import MultiDiscovery
 from tests.k8s_api import K8sTestApi, make_slice
 
 READ_TIMEOUT_S = 1.0
@@ -185,7 +185,7 @@ async def test_bad_objects_are_skipped_and_watching_goes_on(api, caplog):
     bad_endpoints["endpoints"][1]["addresses"] = []
     bad_endpoints["endpoints"].append({"addresses": ["10.0.0.5"], "conditions": {"ready": "yes"}})
     no_http_port = make_slice("llm", "llm-2", ABC[2:], ports=[("grpc", 9000)])
-    caplog.set_level(logging.WARNING, logger="endpoints")
+    caplog.set_level(logging.WARNING, logger="kvgate.endpoints")
     async with synced(api, bad_endpoints, no_http_port) as (reports, discovery):
         assert set(reports.latest) == {"default/a"}
         bad_ports = make_slice("llm", "llm-3", [("10.0.0.6", "e", True, True, False)])

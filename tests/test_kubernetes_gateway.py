@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from loadtest.simulator import SimFleet, SimOptions
+from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway, wait_until
 from tests.k8s_api import make_slice
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.simulator import SimFleet, SimOptions
+from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ def _rows(csv_path: Path) -> dict[tuple[str, str], dict[str, str]]:
 
 async def _run_locust(host: str, csv_prefix: Path) -> tuple[int, str]:
     process = await asyncio.create_subprocess_exec(
-        str(LOCUST), "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "-u", "4", "-r", "4",
+        str(LOCUST), "-f", str(REPO / "kvgate" / "loadtest" / "locustfile.py"), "--headless", "-u", "4", "-r", "4",
         "-t", "5s", "--host", host, "--csv", str(csv_prefix), "--only-summary",
         cwd=REPO, env={**os.environ, **LOCUST_ENV},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,

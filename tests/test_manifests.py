@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from router.config import from_sources
+from kvgate.router.config import from_sources
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from endpoints.models import ModelLister, model_ids
+from kvgate.endpoints.models import ModelLister, model_ids
 from tests.fake_vllm_replica import models_payload, refused_endpoint
 from tests.harness import wait_until
 
@@ -42,7 +42,7 @@ async def test_failed_listing_keeps_the_previous_models_and_logs_once(session, s
     lister = ModelLister(session)
     lister.set_endpoints([replica.endpoint])
     await lister.refresh_once()
-    caplog.set_level(logging.WARNING, logger="endpoints")
+    caplog.set_level(logging.WARNING, logger="kvgate.endpoints")
 
     replica.status = 500
     await lister.refresh_once()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import aiohttp
 
-from endpoints.health import PassiveHealth
-from loadtest.simulator import SimFleet, SimOptions
+from kvgate.endpoints.health import PassiveHealth
+from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import FakeClock, closed_port, running_gateway
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

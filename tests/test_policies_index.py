@@ -7,10 +7,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from endpoints.model import ReplicaMetrics
-from policies import PrefixIndex, RoutingConfig, index_capacity_blocks
-from policies.prefix import chain_hashes
-from policies.prefix_index import BYTES_PER_BLOCK
+from kvgate.endpoints.model import ReplicaMetrics
+from kvgate.policies import PrefixIndex, RoutingConfig, index_capacity_blocks
+from kvgate.policies.prefix import chain_hashes
+from kvgate.policies.prefix_index import BYTES_PER_BLOCK
 
 
 def path(name: str, blocks: int) -> tuple[int, ...]:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
-from policies import (
+from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,
     REASONS,
@@ -29,7 +29,7 @@ from policies import (
     build_profile,
     build_request_info,
 )
-from policies.rendezvous import placement_key, rendezvous_order
+from kvgate.policies.rendezvous import placement_key, rendezvous_order
 
 CONFIG = RoutingConfig(load_slack=0)  # the bare multiplicative bound: the small loads below exercise it
 KEYS = [f"pod-{i}" for i in range(8)]

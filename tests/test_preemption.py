@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import pytest
 
-from endpoints.model import Endpoint, EndpointState, ReplicaMetrics
-from loadtest.simulator import SimFleet, SimOptions
-from policies.priorities import PriorityConfig
-from policies.types import RequestInfo
-from router.admission import AdmissionConfig, AdmissionQueue
-from router.config import ConfigError, build_config
-from router.metrics import GatewayMetrics
-from router.preemption import PreemptionRegistry
+from kvgate.endpoints.model import Endpoint, EndpointState, ReplicaMetrics
+from kvgate.simulator import SimFleet, SimOptions
+from kvgate.policies.priorities import PriorityConfig
+from kvgate.policies.types import RequestInfo
+from kvgate.router.admission import AdmissionConfig, AdmissionQueue
+from kvgate.router.config import ConfigError, build_config
+from kvgate.router.metrics import GatewayMetrics
+from kvgate.router.preemption import PreemptionRegistry
 from tests.harness import RunningGateway, running_gateway, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -15,11 +15,11 @@ from typing import TypeVar
 
 import pytest
 
-from loadtest.bench.client import RequestSample
-from loadtest.bench_rolling_restart import retries_by_cause
-from loadtest.rolling import RestartTiming, RollingRestart, SteadyLoad
-from loadtest.rolling.replica import start_replicas
-from loadtest.simulator import SimOptions
+from kvgate.loadtest.bench.client import RequestSample
+from kvgate.loadtest.bench_rolling_restart import retries_by_cause
+from kvgate.loadtest.rolling import RestartTiming, RollingRestart, SteadyLoad
+from kvgate.loadtest.rolling.replica import start_replicas
+from kvgate.simulator import SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
 from tests.k8s_api import K8sTestApi
 from tests.k8s_fleet import SlicePublisher

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from endpoints.model import UNSCRAPED
-from endpoints.prometheus_text import select_samples
-from endpoints.scraper import MetricsScraper
-from endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics
-from loadtest.vllm_metrics_page import LEGACY_KV_USAGE, EngineLoad, LoraSeries, render_vllm_metrics
+from kvgate.endpoints.model import UNSCRAPED
+from kvgate.endpoints.prometheus_text import select_samples
+from kvgate.endpoints.scraper import MetricsScraper
+from kvgate.endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics
+from kvgate.loadtest.vllm_metrics_page import LEGACY_KV_USAGE, EngineLoad, LoraSeries, render_vllm_metrics
 from tests.fake_vllm_replica import refused_endpoint
 from tests.harness import FakeClock, wait_until
 
@@ -199,7 +199,7 @@ async def test_recovers_after_failures_and_logs_once_per_transition(session, sta
     replica = await start_replica(status=503)
     scraper = MetricsScraper(session)
     scraper.set_endpoints([replica.endpoint])
-    caplog.set_level(logging.INFO, logger="endpoints")
+    caplog.set_level(logging.INFO, logger="kvgate.endpoints")
 
     for _ in range(4):
         await scraper.scrape_once()

@@ -7,14 +7,14 @@ import asyncio
 import aiohttp
 import pytest
 
-from endpoints.fleet import Fleet
-from endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
-from loadtest.simulator import SimFleet, SimOptions
-from policies.cache_aware import CacheAwarePolicy
-from policies.config import RoutingConfig
-from policies.priorities import SaturationThresholds, fleet_headroom
-from policies.types import RequestInfo
-from router.config import ConfigError, build_config
+from kvgate.endpoints.fleet import Fleet
+from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.simulator import SimFleet, SimOptions
+from kvgate.policies.cache_aware import CacheAwarePolicy
+from kvgate.policies.config import RoutingConfig
+from kvgate.policies.priorities import SaturationThresholds, fleet_headroom
+from kvgate.policies.types import RequestInfo
+from kvgate.router.config import ConfigError, build_config
 from tests.harness import running_gateway, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -15,9 +15,9 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.simulator import SimFleet, SimOptions, add_sim_arguments, sim_options_from_args
-from loadtest.simulator.scheduler import EngineCore, Sequence
-from loadtest.simulator.tokens import TokenSeq
+from kvgate.simulator import SimFleet, SimOptions, add_sim_arguments, sim_options_from_args
+from kvgate.simulator.scheduler import EngineCore, Sequence
+from kvgate.simulator.tokens import TokenSeq
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 FAST = {"speed": 20.0, "max_model_len": 4096}

@@ -1,0 +1,1 @@
+"""kvgate: a cache-aware inference gateway for vLLM fleets."""

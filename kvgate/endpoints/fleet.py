@@ -1,0 +1,158 @@
+"""The live fleet: discovery's endpoints joined with scraped metrics, served models and in-flight counts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from kvgate.endpoints.health import PassiveHealth
+from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+
+log = logging.getLogger(__name__)
+
+EndpointsListener = Callable[[Sequence[Endpoint]], None]
+RemovalListener = Callable[[str], None]
+_REUSE_S = 0.005
+
+
+class Fleet:
+    """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
+
+    def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
+                 clock: Callable[[], float] = time.monotonic, seats: int = 0) -> None:
+        self._metrics = metrics
+        self._models = models
+        self.health = PassiveHealth(clock=clock)
+        self._clock = clock
+        self._version = 0  # bumped by every change a snapshot shows at once (endpoints, counts, scrapes)
+        self._cached: tuple[tuple[int, int], FleetSnapshot] | None = None
+        self._endpoints: dict[str, Endpoint] = {}
+        self._in_flight: Counter[str] = Counter()
+        self._recent: Counter[str] = Counter()  # sent - finished since each replica's last successful scrape
+        self._sends: Counter[str] = Counter()  # requests ever sent to each replica
+        self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
+        self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
+        self._seats: dict[str, int] = {}  # learned seat counts
+        self._queued: set[str] = set()  # replicas whose last successful scrape showed a waiting queue
+        self._set_listeners: list[EndpointsListener] = []
+        self._removal_listeners: list[RemovalListener] = []
+
+    def on_endpoints(self, listener: EndpointsListener) -> None:
+        """Call `listener` with the full endpoint list whenever discovery changes it."""
+        self._set_listeners.append(listener)
+
+    def on_removed(self, listener: RemovalListener) -> None:
+        """Call `listener` with the key of every endpoint that leaves the fleet."""
+        self._removal_listeners.append(listener)
+
+    def apply(self, endpoints: Sequence[Endpoint]) -> None:
+        """Replace the endpoint set with discovery's latest report."""
+        new = {e.key: e for e in endpoints}
+        removed = self._endpoints.keys() - new.keys()
+        for key in sorted(new.keys() - self._endpoints.keys()):
+            log.info("endpoint added key=%s url=%s accepting=%s", key, new[key].url, new[key].accepting)
+        for key, endpoint in new.items():
+            old = self._endpoints.get(key)
+            if old is not None and old != endpoint:
+                log.info("endpoint changed key=%s url=%s accepting=%s", key, endpoint.url, endpoint.accepting)
+        self._endpoints = new
+        self._version += 1
+        for key in sorted(removed):
+            log.info("endpoint removed key=%s", key)
+            self.health.forget(key)
+            self._recent.pop(key, None)
+            self._sends.pop(key, None)
+            self._sends_at_scrape.pop(key, None)
+            self._seats.pop(key, None)
+            self._queued.discard(key)
+            for listener in self._removal_listeners:
+                listener(key)
+        for set_listener in self._set_listeners:
+            set_listener(list(new.values()))
+
+    @property
+    def endpoints(self) -> list[Endpoint]:
+        """The endpoints discovery reports now, accepting or not."""
+        return list(self._endpoints.values())
+
+    def snapshot(self) -> FleetSnapshot:
+        """An immutable view of every endpoint with its metrics, models and in-flight count.
+
+        One request asks for it more than once (admission, then the pick) and a queue dispatching many
+        asks in a row: a view is reused while nothing it shows changed and it is under _REUSE_S old
+        (time-driven changes, staleness by age and breakers reopening, are slower than that).
+        """
+        version = (self._version, self.health.version)
+        now = self._clock()
+        if self._cached is not None and self._cached[0] == version and now - self._cached[1].now < _REUSE_S:
+            return self._cached[1]
+        states = tuple(
+            EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
+                          models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
+                          seats=self._configured_seats or self._seats.get(key))
+            for key, e in self._endpoints.items()
+        )
+        snapshot = FleetSnapshot(endpoints=states, now=now)
+        self._cached = (version, snapshot)
+        return snapshot
+
+    def routable_count(self) -> int:
+        """How many endpoints may take new requests."""
+        return sum(1 for e in self._endpoints.values() if e.accepting)
+
+    def scrape_started(self, key: str) -> None:
+        """A scrape of `key` starts: what was sent and finished before now is in the page it will read."""
+        self._sends_at_scrape[key] = self._sends[key]
+
+    def scraped(self, key: str, ok: bool) -> None:
+        """A scrape of `key` finished: a fresh one already counts what was sent and finished before it started.
+
+        What happened while it was in flight may or may not be in the page: requests sent then still
+        count as sent (perhaps twice), requests finished then as finished before it (perhaps early), so
+        the estimate of what the replica holds errs high, never low.
+        """
+        self._version += 1  # new metrics, and staleness may have changed
+        started_at = self._sends_at_scrape.pop(key, self._sends[key])
+        if ok:
+            self._recent[key] = self._sends[key] - started_at
+            self._learn_seats(key, self._metrics(key))
+
+    def _learn_seats(self, key: str, metrics: ReplicaMetrics) -> None:
+        """Learn a replica's seat count, which vLLM does not export, from its running count under a queue.
+
+        A queue seen on two scrapes in a row means every seat was taken (or the KV cache was full; a lone
+        arrival between two engine steps waits for one step only), so the running count then is what the
+        replica holds at once. Once known it only grows: a replica never runs more than it has seats, and
+        the headroom lets one request past a learned count so that a low one corrects itself.
+        """
+        queued_twice = metrics.waiting > 0 and key in self._queued
+        if metrics.waiting > 0:
+            self._queued.add(key)
+        else:
+            self._queued.discard(key)
+        if queued_twice or key in self._seats:
+            seats = max(self._seats.get(key, 0), metrics.running)
+            if seats and seats != self._seats.get(key):
+                log.info("replica seats learned key=%s seats=%d", key, seats)
+                self._seats[key] = seats
+
+    def acquire(self, key: str) -> None:
+        """Count a request sent to `key` (at pick time, so the next pick sees it)."""
+        self._in_flight[key] += 1
+        self._recent[key] += 1
+        self._sends[key] += 1
+        self._version += 1
+
+    def release(self, key: str) -> None:
+        """Count a request to `key` as finished."""
+        self._in_flight[key] -= 1
+        self._recent[key] -= 1
+        self._version += 1
+        if self._in_flight[key] <= 0:
+            del self._in_flight[key]
+
+    def in_flight(self, key: str) -> int:
+        """Requests this gateway has open on `key`."""
+        return self._in_flight[key]

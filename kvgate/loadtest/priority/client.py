@@ -1,0 +1,158 @@
+"""The open-loop load generator: requests sent on a Poisson schedule whatever the answers do, over aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from kvgate.loadtest.priority.workload import INTERACTIVE, Arrival
+
+CHAT_PATH = "/v1/chat/completions"
+_DETAIL_CHARS = 160
+# No per-request timeout: the run's drain cap bounds every request, and one still open then counts as lost.
+_SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
+
+BodyFor = Callable[[Arrival], bytes]  # the request's body
+
+
+class Outcome(enum.StrEnum):
+    """How a request ended."""
+
+    OK = "ok"  # 200 and a complete answer
+    SHED = "shed"  # 429 from the admission queue
+    ERROR = "error"  # any other status, or a stream that broke
+    LOST = "lost"  # no response at all: the connection failed or nothing came back before the drain cap
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """What one request did; times in seconds."""
+
+    priority: str
+    outcome: Outcome
+    lag: float  # how late the generator sent it against its schedule
+    ttft: float | None = None  # send to the first non-empty content delta (streamed answers only)
+    e2e: float | None = None  # send to the end of the response
+    finished_at: float | None = None  # end of the response, after the run's start
+    retry_after: str | None = None
+    detail: str = ""
+    lead_in: bool = False  # sent before the flood (workload.Arrival.lead_in)
+
+
+def _has_content(event: dict) -> bool:
+    """Whether one streamed chunk carries generated text."""
+    return any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ())
+
+
+async def _read_stream(response: aiohttp.ClientResponse, start: float) -> tuple[float | None, str]:
+    """Read an SSE answer to its end: the time to its first content delta, and what went wrong ('' if nothing)."""
+    loop = asyncio.get_running_loop()
+    ttft: float | None = None
+    done = False
+    async for line in response.content:
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:].strip()
+        if payload == b"[DONE]":
+            done = True
+            continue
+        event = orjson.loads(payload)
+        if "error" in event:
+            return ttft, f"stream error: {str(event['error'])[:_DETAIL_CHARS]}"
+        if ttft is None and _has_content(event):
+            ttft = loop.time() - start
+    return ttft, "" if done else "stream ended without [DONE]"
+
+
+async def _read_whole(response: aiohttp.ClientResponse) -> str:
+    """Read a plain JSON answer: what went wrong with it ('' if nothing)."""
+    answer = orjson.loads(await response.read())
+    return "" if answer.get("choices") else f"answer without choices: {str(answer)[:_DETAIL_CHARS]}"
+
+
+async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body: bytes, run_start: float) -> Sample:
+    """Send one request with its class in `x-priority` and classify the answer, streamed or whole."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    lag = start - run_start - arrival.at
+    headers = {"Content-Type": "application/json", "x-priority": arrival.priority}
+    status: int | None = None
+    try:
+        async with session.post(url + CHAT_PATH, data=body, headers=headers) as response:
+            status = response.status
+            if status == 200 and response.content_type == "text/event-stream":
+                ttft, detail = await _read_stream(response, start)
+                outcome = Outcome.ERROR if detail else Outcome.OK
+            elif status == 200:
+                ttft, detail = None, await _read_whole(response)
+                outcome = Outcome.ERROR if detail else Outcome.OK
+            else:
+                ttft, detail = None, f"HTTP {status}: {(await response.text())[:_DETAIL_CHARS]}"
+                outcome = Outcome.SHED if status == 429 else Outcome.ERROR
+            retry_after = response.headers.get("Retry-After")
+    except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
+        # A failure before any status is a request left without an answer; after it, a broken answer.
+        outcome = Outcome.LOST if status is None else Outcome.ERROR
+        return Sample(arrival.priority, outcome, lag, detail=f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}",
+                      lead_in=arrival.lead_in)
+    end = loop.time()
+    return Sample(arrival.priority, outcome, lag, ttft, end - start, end - run_start, retry_after, detail,
+                  arrival.lead_in)
+
+
+async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float) -> list[Sample]:
+    """Send every arrival on schedule, then wait at most `drain_cap` seconds for the ones still open.
+
+    Requests still open at the cap (unanswered or mid-stream) are cancelled and count as lost; the samples keep
+    the arrivals' order.
+    """
+    if not arrivals:
+        return []
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=_SESSION_TIMEOUT) as session:
+        run_start = loop.time()
+        tasks: list[asyncio.Task[Sample]] = []
+        for arrival in arrivals:
+            await asyncio.sleep(max(0.0, run_start + arrival.at - loop.time()))
+            tasks.append(asyncio.create_task(send(session, url, arrival, body_for(arrival), run_start)))
+        drain_end = run_start + arrivals[-1].at + drain_cap
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, drain_end - loop.time()))
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    unanswered = f"no response within the {drain_cap:.0f} s drain cap"
+    return [Sample(arrival.priority, Outcome.LOST, 0.0, detail=unanswered, lead_in=arrival.lead_in)
+            if task in pending else task.result()
+            for arrival, task in zip(arrivals, tasks, strict=True)]
+
+
+async def measure_throughput(urls: Sequence[str], concurrency: int, warmup: float, duration: float,
+                             body_for: BodyFor) -> float:
+    """Completed requests per second with `concurrency` requests always open (closed loop) across `urls`."""
+    loop = asyncio.get_running_loop()
+    targets = itertools.cycle(urls)
+    indexes = itertools.count()
+    completions: list[float] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=_SESSION_TIMEOUT) as session:
+        start = loop.time()
+        deadline = start + warmup + duration
+
+        async def user() -> None:
+            while loop.time() < deadline:
+                arrival = Arrival(next(indexes), 0.0, INTERACTIVE)
+                sample = await send(session, next(targets), arrival, body_for(arrival), start)
+                if sample.outcome is not Outcome.OK:
+                    raise RuntimeError(f"capacity probe request failed: {sample.detail}")
+                completions.append(loop.time())
+
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+    measured = [t for t in completions if start + warmup <= t < deadline]
+    return len(measured) / duration

@@ -1,0 +1,115 @@
+"""The soak report: Markdown for the docs, and a plot of kvgate's memory and descriptors over time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: the plot goes to a file
+import matplotlib.pyplot as plt  # noqa: E402
+
+from kvgate.loadtest.soak.summary import FLAT_GROWTH, FLAT_SLOPE_MB_PER_MIN  # noqa: E402
+
+SECTION = "soak"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    """RSS and open descriptors against time, the end of the load and each replica kill marked."""
+    samples = report["samples"]
+    times = [s["t"] for s in samples]
+    figure, (rss_axis, fd_axis) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    rss_axis.plot(times, [s["rss_mb"] for s in samples], color="tab:blue")
+    rss_axis.set_ylabel("kvgate RSS (MiB)")
+    rss_axis.set_ylim(bottom=0)
+    fd_axis.plot(times, [s["fds"] for s in samples], color="tab:green")
+    fd_axis.set_ylabel("kvgate open fds")
+    fd_axis.set_xlabel("seconds since the load began")
+    for axis in (rss_axis, fd_axis):
+        for event in report["events"]:
+            if event["event"] == "kill":
+                axis.axvline(event["t"], color="tab:red", alpha=0.3, linewidth=1)
+        axis.axvline(report["memory"]["warmup_end_s"], color="gray", linestyle=":", linewidth=1)
+        axis.axvline(report["load_end_s"], color="black", linestyle="--", linewidth=1)
+        axis.grid(alpha=0.3)
+    rss_axis.set_title("kvgate soak: red = replica killed, dotted = warm-up end, dashed = load end")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _outcome_rows(report: dict[str, Any]) -> list[str]:
+    lines = ["| client kind | requests | outcomes |", "|---|---|---|"]
+    for kind, stats in report["by_kind"].items():
+        outcomes = ", ".join(f"{name} {count}" for name, count in stats["outcomes"].items())
+        lines.append(f"| {kind} | {stats['started']} | {outcomes} |")
+    return lines
+
+
+def _counter_line(counters: dict[str, float]) -> str:
+    return ", ".join(f"{key} {value:.0f}" for key, value in sorted(counters.items())) or "none"
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """Whether memory stayed flat after warm-up, in one sentence."""
+    memory = report["memory"]
+    flat = "flat" if memory["flat"] else "NOT flat"
+    return (f"Memory is {flat}: after warm-up RSS changed by {memory['slope_mb_per_min']:+.2f} MiB/min "
+            f"(limit < {FLAT_SLOPE_MB_PER_MIN:g}) and ended the load at {memory['end_of_load_mb']:.1f} MiB, "
+            f"{memory['end_of_load_mb'] / memory['at_warmup_end_mb']:.2f}x its {memory['at_warmup_end_mb']:.1f} MiB "
+            f"at warm-up end (limit {FLAT_GROWTH:g}x).")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: setup, memory and descriptors, outcomes by client kind, gateway counters."""
+    meta, plan, memory, fds, cpu = report["meta"], report["plan"], report["memory"], report["fds"], report["cpu"]
+    shape, sim = plan["shape"], plan["sim"]
+    kills = sum(1 for event in report["events"] if event["event"] == "kill")
+    gateway = report["gateway"]
+    lines = [
+        "### Soak: memory and descriptors under long streaming load with faults",
+        "",
+        f"Measured {meta['date']} by `{meta['command']}` on {meta['cpus']} CPUs shared by kvgate, the simulated "
+        f"replicas and the load generator (1-minute load average before/after: {meta['loadavg_1m'][0]}/"
+        f"{meta['loadavg_1m'][1]}). kvgate (default settings) ran in front of {plan['replicas']} `kvgate sim` "
+        f"replicas, each its own process (max_num_seqs {sim['max_num_seqs']}, decode step "
+        f"{sim['decode_step_seconds']} s). For {plan['minutes']:g} min, {shape['concurrency']} clients streamed "
+        f"chat completions of {shape['max_tokens']} tokens back to back (pause up to {shape['think_s']:g} s; "
+        f"{report['requests']} requests in all, {report['requests_per_s']} req/s). Every "
+        f"{shape['fault_interval_s']:g} s: {shape['aborts_per_round']} clients disconnected after the first event, "
+        f"{shape['slow_readers_per_round']} read a {shape['slow_reader_max_tokens']}-token stream "
+        f"{shape['slow_read_bytes']} B per {shape['slow_read_interval_s']:g} s through a 4 KiB receive buffer, and "
+        f"one of each malformed request was sent. Every {plan['kill_interval_s']:g} s a replica was killed "
+        f"(SIGKILL; {kills} kills) and restarted on its port {plan['replica_down_s']:g} s later. kvgate's RSS, "
+        f"open descriptors and CPU were sampled every {plan['sample_interval_s']:g} s; warm-up is the first "
+        f"{plan['warmup_s']:g} s.",
+        "",
+        "| | first | min | max | at warm-up end | end of load | after settling | slope after warm-up |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| RSS (MiB) | {memory['first_mb']:.1f} | {memory['min_mb']:.1f} | {memory['max_mb']:.1f} "
+        f"| {memory['at_warmup_end_mb']:.1f} | {memory['end_of_load_mb']:.1f} | {memory['last_mb']:.1f} "
+        f"| {memory['slope_mb_per_min']:+.2f} MiB/min |",
+        f"| open fds | {fds['before_load']} | {fds['min']} | {fds['max']} | | {fds['end_of_load']} "
+        f"| {fds['after_settle']} ({plan['settle_s']:g} s after) | |",
+        "",
+        f"{verdict(report)} Descriptors: kvgate keeps idle upstream connections pooled for 30 s and closes them "
+        f"on the pool's next cleanup, 30 to 60 s after their last use, so they return to the level before the "
+        f"load only once that has passed. kvgate's CPU under load: mean {cpu['mean']:.0%} of a core, highest sample "
+        f"{cpu['max']:.0%}. Lost requests (no answer, a truncated stream, or a timeout): {report['lost']}. "
+        f"Tracebacks in kvgate's log: {report['tracebacks']}.",
+        "",
+        *_outcome_rows(report),
+        "",
+        "Outcomes: `ok` a complete answer; `error_event` a stream kvgate ended with an OpenAI error event and "
+        "`[DONE]` (its replica was killed mid-stream); `http_NNN` an error answer; `aborted` the client left on "
+        "purpose; `rejected_4xx` a malformed request refused. "
+        f"kvgate's counters: upstream errors by kind: {_counter_line(gateway.get('upstream_errors', {}))}; "
+        f"retries by cause: {_counter_line(gateway.get('retries', {}))}; requests it refused by reason: "
+        f"{_counter_line(gateway.get('rejected_requests', {}))}; in flight after the run: "
+        f"{_counter_line(gateway.get('requests_in_flight', {}))}.",
+        "",
+        f"Plot of RSS and descriptors over time: `{meta['plot']}` (written by each run, not kept in git).",
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,54 @@
+"""Filters: which candidates may take a request at all."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from kvgate.endpoints.model import EndpointState
+from kvgate.policies.framework import Cycle
+
+
+def load_cap(states: Sequence[EndpointState], load_bound: float, slack: int = 0) -> int:
+    """Consistent hashing with bounded loads: a replica may take one more request while its load is under this.
+
+    ceil(c * (total + 1) / n) rather than c x mean, so that with tiny loads (0 or 1 in flight) every
+    replica still has room for one request; with c >= 1 some replica is always under the cap. At least
+    `slack` requests above the mean: at low load c x mean is within a request or two of the mean, and
+    a bound that tight fires on noise (a gateway among several sees a third of the load, say), moving
+    requests off the replica that caches their prefix when nothing is hot.
+    """
+    mean = (sum(state.load for state in states) + 1) / len(states)
+    cap = math.ceil(load_bound * mean)
+    return max(cap, math.ceil(mean) + slack) if slack else cap
+
+
+class BoundedLoadFilter:
+    """Keeps only the candidates whose load is under the bounded-load cap."""
+
+    name = "bounded-load"
+
+    def __init__(self, load_bound: float, slack: int = 0) -> None:
+        self.load_bound = load_bound
+        self.slack = slack
+
+    def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
+        """Candidates that may take one more request without exceeding the bound."""
+        if not candidates:
+            return ()
+        cap = load_cap(candidates, self.load_bound, self.slack)
+        return tuple(state for state in candidates if state.load < cap)
+
+
+class FreeSeatFilter:
+    """Keeps the candidates with a free seat, or an unknown seat count, when there are any; else all of them.
+
+    A request sent to a replica whose seats are all taken waits in its queue until another one finishes.
+    """
+
+    name = "free-seat"
+
+    def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
+        """Candidates that can start the request at once, or every candidate when none can."""
+        seated = tuple(state for state in candidates if state.free_seats != 0)
+        return seated or tuple(candidates)

@@ -1,0 +1,24 @@
+"""The learning half of the Policy protocol for policies that keep no prefix index."""
+
+from __future__ import annotations
+
+from kvgate.endpoints.model import EndpointState
+from kvgate.policies.types import RequestInfo
+
+
+class NoPrefixIndex:
+    """No-op record/forget and an empty index, for policies whose choices need no record of past requests."""
+
+    def record(self, request: RequestInfo, chosen: EndpointState) -> None:
+        """Nothing to learn."""
+
+    def forget(self, endpoint_key: str) -> None:
+        """Nothing to drop."""
+
+    def index_sizes(self) -> dict[str, int]:
+        """No prefix index."""
+        return {}
+
+    def index_bytes(self) -> int:
+        """No prefix index."""
+        return 0

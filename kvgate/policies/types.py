@@ -1,0 +1,60 @@
+"""The typed objects routing decisions are made from and expressed in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvgate.endpoints.model import EndpointState, FleetSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """Everything routing needs from one request, computed once when its body is parsed."""
+
+    model: str
+    priority_class: str = "interactive"
+    block_hashes: tuple[int, ...] = ()  # chained xxhash64 of the prompt's fixed-size blocks
+    anchor_blocks: int = 0  # full blocks inside the first message when more follow: what a chat's turns share
+    prompt_chars: int = 0
+    stream: bool = False
+    body_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A policy's choice for one request."""
+
+    endpoint: EndpointState
+    reason: str  # one of REASONS
+    matched_fraction: float = 0.0  # share of the request's blocks the chosen replica is believed to hold
+    fallbacks: tuple[EndpointState, ...] = ()  # ordered alternatives for a retry before any byte was sent
+
+
+REASONS = ("prefix_hit", "cold", "overflow", "fallback", "round_robin", "least_load")
+
+
+class Policy(Protocol):
+    """A routing policy: chooses an endpoint and learns from what it chose."""
+
+    name: str
+
+    def pick(self, request: RequestInfo, fleet: FleetSnapshot) -> Decision | None:
+        """Choose among `fleet.candidates(request.model)`; None when there is no candidate."""
+        ...
+
+    def record(self, request: RequestInfo, chosen: EndpointState) -> None:
+        """Note that `request` was sent to `chosen` (prefix index, rotation state)."""
+        ...
+
+    def forget(self, endpoint_key: str) -> None:
+        """Drop all state about an endpoint that left the fleet."""
+        ...
+
+    def index_sizes(self) -> dict[str, int]:
+        """Prefix blocks the policy believes each endpoint holds; empty for policies without an index."""
+        ...
+
+    def index_bytes(self) -> int:
+        """Estimated memory of the policy's prefix index."""
+        ...

@@ -1,0 +1,173 @@
+"""The gateway's parts and their lifecycle: discovery, scraping, the fleet, the policy and the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.endpoints.discovery import Discovery, StaticDiscovery, parse_endpoint_urls
+from kvgate.endpoints.fleet import Fleet
+from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.models import ModelLister
+from kvgate.endpoints.scraper import MetricsScraper
+from kvgate.policies import build_policy
+from kvgate.policies.priorities import fleet_headroom
+from kvgate.policies.types import Policy
+from kvgate.router.admission import AdmissionQueue
+from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
+from kvgate.router.ratelimit import RateLimiter
+from kvgate.router.config import GatewayConfig
+from kvgate.router.metrics import FleetCollector, GatewayMetrics
+from kvgate.router.preemption import PreemptionRegistry
+from kvgate.router.proxy import Forwarder, UpstreamTimeouts
+
+log = logging.getLogger(__name__)
+
+DiscoveryFactory = Callable[[GatewayConfig], Discovery]
+
+
+def default_discovery(config: GatewayConfig) -> Discovery:
+    """The discovery source the configuration names."""
+    if config.discovery == "kubernetes":
+        from kvgate.endpoints.kubernetes import EndpointSliceWatcher  # imports the kubernetes client lazily
+        from kvgate.endpoints.multi_discovery import MultiDiscovery
+
+        watchers = [EndpointSliceWatcher(config.namespace, service, port_name=config.port_name, port=config.port,
+                                         read_timeout_s=config.watch_read_timeout) for service in config.service]
+        return watchers[0] if len(watchers) == 1 else MultiDiscovery(watchers)
+    return StaticDiscovery(parse_endpoint_urls(config.endpoints))
+
+
+class Gateway:
+    """Owns every long-lived part of one gateway instance; opened and closed by aiohttp's cleanup_ctx."""
+
+    def __init__(self, config: GatewayConfig, discovery: Discovery) -> None:
+        self.config = config
+        self.discovery = discovery
+        self.metrics = GatewayMetrics()
+        self.policy: Policy = build_policy(config.policy, config.routing)
+        self.draining = False
+        self.fleet: Fleet | None = None
+        self.forwarder: Forwarder | None = None
+        self.admission: AdmissionQueue | None = None
+        self.preemption: PreemptionRegistry | None = None
+        # API keys are read at construction so a bad file stops the gateway before it listens.
+        self.keys = ApiKeyStore(config.api_keys_file, priority_classes=config.priorities.classes) \
+            if config.api_keys_file else None
+        self.limiter = RateLimiter()
+        self.models: ModelLister | None = None
+        self.scraper: MetricsScraper | None = None
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether the gateway should receive traffic, and why not."""
+        if self.draining:
+            return False, "draining"
+        if self.fleet is None or not self.discovery.status.synced:
+            return False, "discovery has not listed the replicas yet"
+        if self.fleet.routable_count() == 0:
+            return False, "no routable replica"
+        return True, "ok"
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """aiohttp cleanup_ctx: open sessions and start background tasks, then close them after the drain."""
+        config = self.config
+        if config.discovery == "kubernetes":
+            from kvgate.endpoints.kubernetes import load_kubernetes_config
+
+            await load_kubernetes_config()
+        proxy_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True),
+            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+        )
+        poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        self.scraper = MetricsScraper(poll_session, interval_s=config.scrape_interval,
+                                      timeout_s=min(config.scrape_timeout, config.scrape_interval))
+        self.models = ModelLister(poll_session, refresh_s=config.models_refresh)
+        self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats)
+        self.fleet.on_endpoints(self.scraper.set_endpoints)
+        self.fleet.on_endpoints(self.models.set_endpoints)
+        self.fleet.on_removed(self.policy.forget)
+        self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
+        self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics,
+                                        self.preemption)
+        self.scraper.add_start_listener(self.fleet.scrape_started)
+        self.scraper.add_result_listener(lambda key, ok, _duration: self.fleet.scraped(key, ok))
+        self.scraper.add_round_listener(self.admission.refresh)
+        self.fleet.on_endpoints(lambda _endpoints: self.admission.refresh())
+        self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,
+                                   UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
+                                                    config.request_timeout), config.retries,
+                                   dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset(),
+                                   preemption=self.preemption)
+        self.metrics.add_collector(FleetCollector(
+            discovery=lambda: self.discovery.status,
+            endpoint_states=lambda: self.fleet.snapshot().endpoints,
+            index_blocks=lambda: sum(self.policy.index_sizes().values()),
+            index_bytes=self.policy.index_bytes,
+        ))
+        tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+            ("discovery", self.discovery.run(self.fleet.apply)),
+            ("scraper", self.scraper.run()),
+            ("models", self.models.run()),
+            *((("api-keys", self.keys.run()),) if self.keys else ()),
+        )]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await proxy_session.close()
+            await poll_session.close()
+
+    def _candidates(self, model: str) -> tuple[EndpointState, ...]:
+        """The replicas that may take a request for `model` now."""
+        assert self.fleet is not None
+        return self.fleet.snapshot().candidates(model)
+
+    def _fleet_headroom(self, model: str, reserve: float, probe: bool) -> float:
+        """Requests `model`'s replicas take before all are saturated, leaving `reserve` of their seats free."""
+        candidates = self._candidates(model)
+        # With no candidate there is nothing to wait for: let the request through to its 503 at once.
+        if not candidates:
+            return float("inf")
+        return fleet_headroom(candidates, self.config.saturation, reserve, probe)
+
+    def serves(self, model: str) -> bool:
+        """Whether some replica reports serving `model`."""
+        return self.models is not None and self.models.serves(model)
+
+    def models_known(self) -> bool:
+        """Whether every endpoint's model list is known, so an unlisted model is truly unknown."""
+        return self.fleet is not None and all(self.models.models(e.key) for e in self.fleet.endpoints) \
+            and bool(self.fleet.endpoints)
+
+    def describe(self) -> dict[str, Any]:
+        """The /debug/fleet view: replicas, scraped metrics and staleness, the policy's index, discovery."""
+        assert self.fleet is not None
+        snapshot = self.fleet.snapshot()
+        index = self.policy.index_sizes()
+        endpoints = []
+        for state in snapshot.endpoints:
+            metrics = state.metrics
+            endpoints.append({
+                "key": state.key, "url": state.endpoint.url, "pool": state.endpoint.pool,
+                "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
+                "seats": state.seats, "occupied": state.occupied,
+                "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
+                "metrics": {
+                    "stale": metrics.stale, "kv_cache_usage": metrics.kv_cache_usage, "running": metrics.running,
+                    "waiting": metrics.waiting, "block_size": metrics.block_size,
+                    "num_gpu_blocks": metrics.num_gpu_blocks,
+                    "age_s": None if metrics.scraped_at is None else round(snapshot.now - metrics.scraped_at, 3),
+                },
+            })
+        return {"draining": self.draining, "ready": self.ready()[0], "policy": self.policy.name,
+                "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
+                "queue": self.admission.describe() if self.admission else None}

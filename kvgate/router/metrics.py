@@ -1,0 +1,104 @@
+"""The gateway's own Prometheus metrics, in a registry per gateway instance."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from kvgate.endpoints.discovery import DiscoveryStatus
+from kvgate.endpoints.model import EndpointState
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+class GatewayMetrics:
+    """Every metric kvgate exports about itself."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvgate_requests", "Requests answered, by route, model, status and replica",
+                                ["route", "model", "status", "replica"], registry=r)
+        self.in_flight = Gauge("kvgate_requests_in_flight", "Requests being proxied now, by replica",
+                               ["replica"], registry=r)
+        self.ttfb = Histogram("kvgate_time_to_first_byte_seconds",
+                              "From request arrival to the first response byte from the replica",
+                              ["route", "model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("kvgate_request_duration_seconds", "From request arrival to the last byte sent",
+                                  ["route", "model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.upstream_errors = Counter("kvgate_upstream_errors", "Failures talking to replicas, by kind",
+                                       ["kind", "replica"], registry=r)
+        self.retries = Counter("kvgate_retries", "Requests retried on another replica, by cause",
+                               ["cause"], registry=r)
+        self.decisions = Counter("kvgate_routing_decisions", "Routing decisions by policy and reason",
+                                 ["policy", "reason"], registry=r)
+        self.matched_fraction = Histogram("kvgate_prefix_match_fraction",
+                                          "Share of a request's prefix blocks the chosen replica is believed to hold",
+                                          buckets=_FRACTION_BUCKETS, registry=r)
+        self.rejected = Counter("kvgate_rejected_requests", "Requests answered by the gateway itself with an error",
+                                ["status", "reason"], registry=r)
+        self.auth_failures = Counter("kvgate_auth_failures", "Requests refused with 401, by reason (missing, invalid)",
+                                     ["reason"], registry=r)
+
+        self.queue_depth = Gauge("kvgate_admission_queue_depth", "Requests waiting in the gateway, by class",
+                                 ["priority_class"], registry=r)
+        self.queue_wait = Histogram("kvgate_admission_wait_seconds", "Time requests waited in the gateway, by class",
+                                    ["priority_class"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.admitted = Counter("kvgate_admission_dispatched", "Requests let through, directly or after queueing",
+                                ["priority_class", "path"], registry=r)
+        self.shed = Counter("kvgate_admission_shed", "Requests shed with 429, by class and reason",
+                            ["priority_class", "reason"], registry=r)
+        self.queue_abandoned = Counter("kvgate_admission_abandoned", "Clients that left while queued",
+                                       ["priority_class"], registry=r)
+        self.preempted = Counter("kvgate_admission_preempted", "Requests that gave up their seat to a more important "
+                                 "one before their replica answered, and queued again", ["priority_class"], registry=r)
+
+    def add_collector(self, collector: Collector) -> None:
+        """Register a collector that reads live state at scrape time."""
+        self.registry.register(collector)
+
+
+class FleetCollector(Collector):
+    """Reads discovery health, endpoint counts, scrape staleness and prefix index size at scrape time."""
+
+    def __init__(self, discovery: Callable[[], DiscoveryStatus], endpoint_states: Callable[[], Iterable[EndpointState]],
+                 index_blocks: Callable[[], int], index_bytes: Callable[[], int]) -> None:
+        self._discovery = discovery
+        self._endpoint_states = endpoint_states
+        self._index_blocks = index_blocks
+        self._index_bytes = index_bytes
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Yield the live gauges."""
+        status = self._discovery()
+        yield GaugeMetricFamily("kvgate_discovery_healthy", "1 while discovery reaches its source", value=int(status.healthy))
+        yield CounterMetricFamily("kvgate_discovery_watch_restarts", "Watch streams restarted", value=status.restarts)
+        yield CounterMetricFamily("kvgate_discovery_relists", "Full re-lists after the first", value=status.relists)
+        age = GaugeMetricFamily("kvgate_discovery_last_event_age_seconds", "Seconds since the last discovery event")
+        if status.last_event_at is not None:
+            age.add_metric([], time.monotonic() - status.last_event_at)
+        yield age
+        endpoints = GaugeMetricFamily("kvgate_endpoints", "Known replicas by state", labels=["state"])
+        stale = GaugeMetricFamily("kvgate_replica_metrics_stale", "1 when a replica's scraped metrics are stale",
+                                  labels=["replica"])
+        seats = GaugeMetricFamily("kvgate_replica_seats", "Sequences a replica runs at once, configured or learned "
+                                  "(0 while unknown)", labels=["replica"])
+        counts = {"accepting": 0, "not_accepting": 0}
+        for state in self._endpoint_states():
+            counts["accepting" if state.endpoint.accepting else "not_accepting"] += 1
+            stale.add_metric([state.key], int(state.metrics.stale))
+            seats.add_metric([state.key], state.seats or 0)
+        for state, count in counts.items():
+            endpoints.add_metric([state], count)
+        yield endpoints
+        yield stale
+        yield seats
+        yield GaugeMetricFamily("kvgate_prefix_index_blocks", "Prefix blocks held in the index, all replicas",
+                                value=self._index_blocks())
+        yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",
+                                value=self._index_bytes())

@@ -1,0 +1,140 @@
+"""Preemption: an important request takes the seat of a less important one whose replica has not answered yet.
+
+A non-streamed request of a preemptible class (batch, by default) gets nothing from its replica until its
+whole answer is ready, so until then the gateway may cancel it (vLLM aborts a request whose connection
+closes) and queue it again at the head of its class: its client sees only a later answer. kvgate lets such
+requests fill every seat, and when an interactive request finds none free it preempts the youngest one on
+the replica where that frees a seat soonest: the youngest has done the least work, so little is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvgate.endpoints.model import EndpointState
+
+T = TypeVar("T")
+
+
+class Preempted(Exception):
+    """The request's seat went to a more important request before its replica answered; it queues again."""
+
+
+@dataclass(eq=False)
+class _Freeing:
+    """One preemption: the seat it frees counts once all its victims have let go of theirs."""
+
+    model: str
+    victims: int
+
+
+@dataclass(eq=False)
+class Preemptible:
+    """One preemptible request on its replica; `signal` resolves when it is preempted."""
+
+    model: str
+    replica: str
+    rank: int  # its class, 0 = most important
+    seq: int  # order of sending: the highest is the youngest
+    signal: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    freeing: _Freeing | None = None
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a more important request has taken its seat."""
+        return self.signal.done()
+
+
+class PreemptionRegistry:
+    """The preemptible requests on each replica, oldest first, and the preemptions still freeing a seat."""
+
+    def __init__(self, candidates: Callable[[str], Sequence[EndpointState]]) -> None:
+        self._candidates = candidates  # model -> the replicas that may take it now
+        self._on_replica: dict[str, list[Preemptible]] = {}
+        self._freeing: Counter[str] = Counter()  # model -> preemptions whose seat is not free yet
+        self._seq = itertools.count()
+
+    def track(self, model: str, replica: str, rank: int) -> Preemptible:
+        """Register a preemptible request just sent to `replica`."""
+        entry = Preemptible(model, replica, rank, next(self._seq))
+        self._on_replica.setdefault(replica, []).append(entry)
+        return entry
+
+    async def unless_preempted(self, model: str, replica: str, rank: int, answer: Awaitable[T]) -> T:
+        """Await a request's `answer` from `replica` while a more important request may take its seat.
+
+        If one does first, the request is cancelled (vLLM aborts a request whose connection closes) and
+        Preempted is raised. Either way it stops being preemptible once this returns.
+        """
+        entry = self.track(model, replica, rank)
+        task = asyncio.ensure_future(answer)
+        try:
+            await asyncio.wait((task, entry.signal), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self.untrack(entry)
+        if task.cancelled():
+            raise Preempted()
+        return task.result()
+
+    def untrack(self, entry: Preemptible) -> None:
+        """The request's replica answered, or it finished or was preempted: it holds no preemptible seat now."""
+        entries = self._on_replica.get(entry.replica, [])
+        if entry in entries:
+            entries.remove(entry)
+            if not entries:
+                del self._on_replica[entry.replica]
+        freeing = entry.freeing
+        if freeing is not None:
+            entry.freeing = None
+            freeing.victims -= 1
+            if freeing.victims == 0:
+                self._freeing[freeing.model] -= 1
+                if self._freeing[freeing.model] <= 0:
+                    del self._freeing[freeing.model]
+
+    def freeing(self, model: str) -> int:
+        """Seats of `model`'s replicas that preemptions are freeing now."""
+        return self._freeing[model]
+
+    def has_victims(self, model: str, rank: int) -> bool:
+        """Whether a replica that may take `model` runs a request less important than class `rank`."""
+        return any(self._victims(state.key, rank) for state in self._candidates(model))
+
+    def _victims(self, replica: str, rank: int) -> list[Preemptible]:
+        return [entry for entry in self._on_replica.get(replica, ()) if entry.rank > rank and not entry.preempted]
+
+    def preempt(self, model: str, rank: int) -> int:
+        """Free one seat for a request of `model` and class `rank`; returns how many requests it preempted.
+
+        On a replica whose seats are known, freeing one takes as many of its youngest victims as it holds
+        requests beyond its seats, plus one (a request waiting inside it holds no seat). The replica needing
+        the fewest wins, then the one with the youngest victim; 0 when no replica can free a seat this way.
+        """
+        best: tuple[tuple[int, int], list[Preemptible]] | None = None
+        for state in self._candidates(model):
+            victims = self._victims(state.key, rank)
+            if not state.seats or not victims:
+                continue
+            held = state.occupied - sum(1 for entry in self._on_replica[state.key] if entry.preempted)
+            need = max(1, held - state.seats + 1)
+            if need > len(victims):
+                continue
+            order = (need, -victims[-1].seq)
+            if best is None or order < best[0]:
+                best = (order, victims[-need:])
+        if best is None:
+            return 0
+        freeing = _Freeing(model, len(best[1]))
+        self._freeing[model] += 1
+        for entry in best[1]:
+            entry.freeing = freeing
+            entry.signal.set_result(None)
+        return len(best[1])

@@ -1,0 +1,247 @@
+"""Forwarding one inference request to the chosen replica and streaming the answer back unbuffered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from kvgate.endpoints.fleet import Fleet
+from kvgate.endpoints.model import EndpointState
+from kvgate.policies.types import Decision, Policy
+from kvgate.router.errors import GatewayError, error_body
+from kvgate.router.headers import forwardable
+from kvgate.router.metrics import GatewayMetrics
+from kvgate.router.preemption import PreemptionRegistry
+from kvgate.router.requests import ParsedRequest
+
+log = logging.getLogger(__name__)
+
+# vLLM answers this while shutting down: the request provably did not start, so another replica may take it.
+_VLLM_SHUTDOWN_BODY = b"Server is unavailable"
+_SSE = "text/event-stream"
+_DECODED = frozenset({"content-encoding"})
+_WHOLE_BODY_LIMIT = 1024 * 1024  # plain answers up to this size are relayed in one write
+CLIENT_GONE = 499  # nginx's code for "client closed the request"; used in logs and metrics only
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamTimeouts:
+    """How long to wait for a replica: to connect, between two chunks, and in total (0 = no limit)."""
+
+    connect: float
+    idle: float
+    total: float
+
+    def client_timeout(self) -> aiohttp.ClientTimeout:
+        """The aiohttp timeout for one upstream request."""
+        return aiohttp.ClientTimeout(total=self.total or None, sock_connect=self.connect, sock_read=self.idle)
+
+
+@dataclass
+class Outcome:
+    """What happened to one proxied request, for the log line and the metrics."""
+
+    request_id: str = "-"
+    arrived: float = 0.0  # time.monotonic() when the request arrived
+    status: int = 0
+    replica: str = "-"
+    ttfb: float | None = None
+    error: str | None = None  # kind of upstream failure, if any
+    attempts: int = 0
+
+
+class _Retryable(Exception):
+    """The replica provably did not start the request; another one may take it."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class Forwarder:
+    """Sends parsed requests to replicas chosen by the policy and relays responses chunk by chunk."""
+
+    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, policy: Policy, metrics: GatewayMetrics,
+                 timeouts: UpstreamTimeouts, retries: int, dropped_headers: frozenset[str] = frozenset(),
+                 preemption: PreemptionRegistry | None = None) -> None:
+        self._session = session
+        self._fleet = fleet
+        self._policy = policy
+        self._metrics = metrics
+        self._timeout = timeouts.client_timeout()
+        self._retries = retries
+        # The gateway's own credentials never reach a replica, nor Content-Encoding: the server already
+        # decoded a compressed request body, so what goes upstream is the plain body.
+        self._dropped_headers = frozenset(dropped_headers) | _DECODED
+        self._preemption = preemption
+
+    def choose(self, parsed: ParsedRequest) -> Decision:
+        """Pick a replica for the request; raises 503 when none can take it."""
+        snapshot = self._fleet.snapshot()
+        decision = self._policy.pick(parsed.info, snapshot)
+        if decision is None:
+            raise GatewayError(503, "no replica can take this request now; retry shortly",
+                               headers={"Retry-After": "1"})
+        self._metrics.decisions.labels(self._policy.name, decision.reason).inc()
+        self._metrics.matched_fraction.observe(decision.matched_fraction)
+        return decision
+
+    async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
+                      outcome: Outcome, preemptible_rank: int | None = None) -> web.StreamResponse:
+        """Proxy the request, retrying on another replica only while nothing reached the client.
+
+        With `preemptible_rank` (its class), a more important request may take its seat until the replica
+        answers: it raises Preempted then.
+        """
+        headers = forwardable(request.headers, self._dropped_headers)
+        headers["x-request-id"] = outcome.request_id
+        tried: list[str] = []
+        target: EndpointState | None = decision.endpoint
+        while target is not None:
+            tried.append(target.key)
+            outcome.attempts = len(tried)
+            outcome.replica = target.key
+            try:
+                return await self._attempt(request, parsed, target, headers, outcome, preemptible_rank)
+            except _Retryable as exc:
+                outcome.error = exc.cause
+                target = self._next_target(parsed, decision, tried) if len(tried) <= self._retries else None
+                if target is None:
+                    break
+                self._metrics.retries.labels(exc.cause).inc()
+                log.info("retrying id=%s replica=%s cause=%s", outcome.request_id, tried[-1], exc.cause)
+        raise GatewayError(503, "no replica could be reached; retry shortly", headers={"Retry-After": "1"})
+
+    def _next_target(self, parsed: ParsedRequest, decision: Decision, tried: list[str]) -> EndpointState | None:
+        """The policy's next fallback not tried yet, else the least loaded candidate not tried yet."""
+        for state in decision.fallbacks:
+            if state.key not in tried:
+                return state
+        # The policy's fallbacks skip replicas over their load cap; an over-cap replica beats failing.
+        others = [s for s in self._fleet.snapshot().candidates(parsed.info.model) if s.key not in tried]
+        return min(others, key=lambda s: s.load, default=None)
+
+    async def _attempt(self, request: web.Request, parsed: ParsedRequest, target: EndpointState,
+                       headers: dict, outcome: Outcome, preemptible_rank: int | None) -> web.StreamResponse:
+        key = target.key
+        self._fleet.acquire(key)
+        self._policy.record(parsed.info, target)
+        gauge = self._metrics.in_flight.labels(key)
+        gauge.inc()
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            opening = self._open(target, request, parsed, headers)
+            if self._preemption is not None and preemptible_rank is not None:
+                opening = self._preemption.unless_preempted(parsed.info.model, key, preemptible_rank, opening)
+            upstream, prefetched = await opening
+            return await self._relay(request, upstream, prefetched, outcome)
+        finally:
+            gauge.dec()
+            self._fleet.release(key)
+            if upstream is not None:
+                # An unfinished body means the client or the replica went away: drop the connection so
+                # vLLM sees the disconnect and aborts the generation.
+                if upstream.content.is_eof():
+                    upstream.release()
+                else:
+                    upstream.close()
+
+    async def _open(self, target: EndpointState, request: web.Request, parsed: ParsedRequest,
+                    headers: dict) -> tuple[aiohttp.ClientResponse, bytes | None]:
+        """Send the request; returns the response and its body when it had to be read already."""
+        url = target.endpoint.url + request.rel_url.path_qs
+        try:
+            upstream = await self._session.post(url, data=parsed.raw, headers=headers, timeout=self._timeout,
+                                                allow_redirects=False)
+        except aiohttp.ClientConnectorError as exc:
+            self._metrics.upstream_errors.labels("connect", target.key).inc()
+            self._fleet.health.failure(target.key, "connect")
+            log.warning("upstream connect failed replica=%s error=%s", target.key, exc.os_error or exc)
+            raise _Retryable("connect") from None
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+            self._metrics.upstream_errors.labels("timeout", target.key).inc()
+            self._fleet.health.failure(target.key, "timeout")
+            raise GatewayError(504, "the replica did not answer in time") from None
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            # Closed or reset before the status line: nothing reached the client, and vLLM aborts a request
+            # whose connection is gone (or is dead itself), so another replica may take it.
+            self._metrics.upstream_errors.labels("disconnected", target.key).inc()
+            log.warning("upstream disconnected before answering replica=%s error=%s", target.key, exc)
+            raise _Retryable("disconnected") from None
+        except aiohttp.ClientError as exc:
+            self._metrics.upstream_errors.labels("protocol", target.key).inc()
+            raise GatewayError(502, f"the replica failed before answering: {type(exc).__name__}") from None
+        if upstream.status == 503:
+            body = await upstream.read()
+            upstream.release()
+            if _VLLM_SHUTDOWN_BODY in body:
+                self._fleet.health.failure(target.key, "replica_shutdown")  # it is leaving: stop choosing it
+                raise _Retryable("replica_shutdown")
+            self._fleet.health.success(target.key)
+            return upstream, body
+        self._fleet.health.success(target.key)  # any answer, 4xx and 5xx included, means it is up
+        return upstream, None
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, prefetched: bytes | None,
+                     outcome: Outcome) -> web.StreamResponse:
+        """Write the replica's status, headers and body to the client as they arrive."""
+        is_sse = upstream.content_type == _SSE
+        length = upstream.content_length
+        if not is_sse and prefetched is None and length is not None and length <= _WHOLE_BODY_LIMIT:
+            # A small plain answer goes out in one write: status, headers and body together.
+            try:
+                prefetched = await upstream.read()
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                self._metrics.upstream_errors.labels("stream_broken", outcome.replica).inc()
+                self._fleet.health.failure(outcome.replica, "stream_broken")
+                raise GatewayError(502, "the replica failed while sending its answer") from None
+            outcome.ttfb = time.monotonic() - outcome.arrived
+            outcome.status = upstream.status
+            response = web.Response(status=upstream.status, reason=upstream.reason, body=prefetched,
+                                    headers=forwardable(upstream.headers))
+            response.headers["x-request-id"] = outcome.request_id
+            return response
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                      headers=forwardable(upstream.headers))
+        response.headers["x-request-id"] = outcome.request_id
+        if is_sse:
+            response.headers["X-Accel-Buffering"] = "no"
+            response.headers["Cache-Control"] = "no-cache"
+        elif upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        outcome.status = upstream.status
+        await response.prepare(request)
+        try:
+            if prefetched is not None:
+                outcome.ttfb = time.monotonic() - outcome.arrived
+                await response.write(prefetched)
+            else:
+                async for chunk in upstream.content.iter_any():
+                    if outcome.ttfb is None:
+                        outcome.ttfb = time.monotonic() - outcome.arrived
+                    await response.write(chunk)
+        except ConnectionResetError:
+            outcome.status = CLIENT_GONE  # the client left; closing the upstream aborts the generation
+            return response
+        except (asyncio.TimeoutError, aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError) as exc:
+            kind = "idle_timeout" if isinstance(exc, asyncio.TimeoutError) else "stream_broken"
+            outcome.error = kind
+            self._metrics.upstream_errors.labels(kind, outcome.replica).inc()
+            self._fleet.health.failure(outcome.replica, kind)
+            log.warning("upstream failed mid-response replica=%s kind=%s", outcome.replica, kind)
+            if is_sse:
+                message = "the replica stopped answering mid-stream" if kind == "idle_timeout" else \
+                    "the replica connection broke mid-stream"
+                await response.write(b"data: " + error_body(502, message) + b"\n\ndata: [DONE]\n\n")
+            else:
+                # A truncated plain body cannot be repaired; closing tells the client it is incomplete.
+                request.transport.close()
+                return response
+        await response.write_eof()
+        return response

@@ -1,0 +1,146 @@
+"""The replica's `/metrics` page: vLLM's metric names and labels in a private registry per replica."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvgate.simulator.options import SimOptions
+from kvgate.simulator.scheduler import EngineCore, EngineTotals, FinishReason, Sequence, StepOutcome
+
+# Bucket bounds as vLLM declares them.
+# fmt: off
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+                960.0, 1920.0, 7680.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+# fmt: on
+
+_ENGINE_LABELS = ("engine", "model_name")  # sorted, as vLLM prints them
+MetricT = TypeVar("MetricT", Gauge, Counter, Histogram)
+
+# EngineTotals field -> exported counter name (without the _total suffix prometheus_client adds).
+_TOTAL_COUNTERS = {
+    "prefix_cache_queries": (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    "prompt_tokens": ("vllm:prompt_tokens", "Number of prefill tokens processed."),
+    "generation_tokens": ("vllm:generation_tokens", "Number of generation tokens processed."),
+    "preemptions": ("vllm:num_preemptions", "Cumulative number of preemption from the engine."),
+}
+
+
+class EngineMetrics:
+    """vLLM engine metrics of one replica, fed from its EngineCore after every change."""
+
+    def __init__(self, options: SimOptions, engine: str = "0") -> None:
+        self.registry = CollectorRegistry()
+        model = options.models[0]
+
+        def engine_metric(kind: type[MetricT], name: str, doc: str, **kwargs: Any) -> MetricT:
+            """One child of an engine metric labelled {engine, model_name}."""
+            return kind(name, doc, _ENGINE_LABELS, registry=self.registry, **kwargs).labels(engine, model)
+
+        self._running = engine_metric(
+            Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self._waiting = engine_metric(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self._usage = [engine_metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")]
+        if options.legacy_cache_metric:
+            self._usage.append(
+                engine_metric(Gauge, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.")
+            )
+        self._totals = {field: engine_metric(Counter, name, doc) for field, (name, doc) in _TOTAL_COUNTERS.items()}
+        self._ttft = engine_metric(
+            Histogram,
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            buckets=_TTFT_BUCKETS,
+        )
+        self._e2e = engine_metric(
+            Histogram,
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            buckets=_E2E_BUCKETS,
+        )
+        self._itl = engine_metric(
+            Histogram,
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            buckets=_ITL_BUCKETS,
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            ("engine", "finished_reason", "model_name"),
+            registry=self.registry,
+        )
+        # vLLM creates every finished_reason series up front, so all three read 0 before use.
+        self._success = {reason: success.labels(engine, reason.value, model) for reason in FinishReason}
+        cache_config = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            ("block_size", "enable_prefix_caching", "engine", "num_gpu_blocks"),
+            registry=self.registry,
+        )
+        cache_config.labels(
+            str(options.block_size), str(options.enable_prefix_caching), engine, str(options.num_gpu_blocks)
+        ).set(1)
+        self._lora_info = None
+        if options.lora_adapters:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "running_lora_adapters", "waiting_lora_adapters"),
+                registry=self.registry,
+            )
+        self._max_lora = str(options.max_loras)
+        self._num_gpu_blocks = options.num_gpu_blocks
+        self._published = EngineTotals()
+
+    def publish(self, core: EngineCore) -> None:
+        """Bring gauges and counters up to date with the engine core."""
+        self._running.set(len(core.running))
+        self._waiting.set(core.num_waiting)
+        usage = core.cache.pinned_blocks / self._num_gpu_blocks
+        for gauge in self._usage:
+            gauge.set(usage)
+        for field, counter in self._totals.items():
+            delta = getattr(core.totals, field) - getattr(self._published, field)
+            if delta:
+                counter.inc(delta)
+        self._published = dataclasses.replace(core.totals)
+        if self._lora_info is not None:
+            # vLLM leaves old label sets on the page; the newest timestamp marks the current one.
+            self._lora_info.labels(self._max_lora, ",".join(core.running_loras()), ",".join(core.waiting_loras())).set(
+                time.time()
+            )
+
+    def observe_step(self, outcome: StepOutcome, now: float) -> None:
+        """Record token latencies and completions of one engine step."""
+        for seq in outcome.advanced:
+            if seq.last_token_time != now:
+                continue
+            if len(seq.output_ids) == 1:
+                self._ttft.observe(now - seq.arrival_time)
+            else:
+                self._itl.observe(seq.last_token_gap)
+        for seq in outcome.finished:
+            self.observe_finished(seq, now)
+
+    def observe_finished(self, seq: Sequence, now: float) -> None:
+        """Count a finished (or aborted) sequence."""
+        self._success[seq.finish_reason].inc()
+        if seq.finish_reason is not FinishReason.ABORT:
+            self._e2e.observe(now - seq.arrival_time)
+
+    def render(self) -> bytes:
+        """The Prometheus text page."""
+        return generate_latest(self.registry)

@@ -1,0 +1,274 @@
+"""The engine core: vLLM's V1 scheduler reduced to its effect on queues, KV blocks and timing.
+
+Pure logic: no asyncio, no clock reads (times come in as arguments), so it is tested step by step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from kvgate.simulator.kv_cache import PrefixCache, extend_block_hashes
+from kvgate.simulator.options import SimOptions
+from kvgate.simulator.tokens import TokenSeq, output_token
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence stopped, as `vllm:request_success_total{finished_reason}` labels it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class SeqState(enum.Enum):
+    """Where a sequence is in the engine."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(eq=False, slots=True)
+class Sequence:
+    """One prompt being generated from; `max_tokens=0` is a prefill-only (embedding) request."""
+
+    tokens: TokenSeq  # prompt, then generated tokens
+    max_tokens: int
+    arrival_time: float
+    lora: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    num_prompt_tokens: int = 0
+    state: SeqState = SeqState.WAITING
+    finish_reason: FinishReason | None = None
+    output_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_token_gap: float | None = None  # inter-token latency of the newest token
+    block_hashes: list[int] = field(default_factory=list)
+    held: list[int | None] = field(default_factory=list)  # pinned blocks: cached hash or None (private)
+    settled_blocks: int = 0  # leading full blocks already published to the cache or left private
+    arrival_order: int = 0
+    seed: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether the sequence will produce no more tokens."""
+        return self.state is SeqState.FINISHED
+
+
+@dataclass(slots=True)
+class EngineTotals:
+    """Monotonic counters since the engine started."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up, as vLLM counts them
+    prefix_cache_hits: int = 0  # tokens found cached
+    preemptions: int = 0
+    completed: int = 0
+    aborts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What one engine step produced."""
+
+    advanced: list[Sequence]  # sequences that got a token or finished
+    finished: list[Sequence]
+
+
+class EngineCore:
+    """Waiting queue, running batch and KV cache of one replica, advanced one step at a time."""
+
+    def __init__(self, options: SimOptions) -> None:
+        self._options = options
+        self._block_size = options.block_size
+        self.cache = PrefixCache(options.num_gpu_blocks, options.enable_prefix_caching)
+        self.totals = EngineTotals()
+        self.running: list[Sequence] = []
+        self._waiting: list[Sequence] = []  # kept sorted by _queue_key
+        self._arrivals = itertools.count()
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission."""
+        return len(self._waiting)
+
+    @property
+    def idle(self) -> bool:
+        """Whether there is nothing to run."""
+        return not self.running and not self._waiting
+
+    def running_loras(self) -> list[str]:
+        """LoRA adapters in the running batch, sorted."""
+        return sorted({seq.lora for seq in self.running if seq.lora})
+
+    def waiting_loras(self) -> list[str]:
+        """LoRA adapters in the waiting queue, sorted."""
+        return sorted({seq.lora for seq in self._waiting if seq.lora})
+
+    def _queue_key(self, seq: Sequence) -> tuple[int, int]:
+        priority = seq.priority if self._options.priority_scheduling else 0
+        return (priority, seq.arrival_order)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        seq.arrival_order = next(self._arrivals)
+        seq.num_prompt_tokens = len(seq.tokens)
+        seq.seed = seq.tokens.digest()
+        extend_block_hashes(seq.block_hashes, seq.tokens, self._block_size, seq.lora, seq.cache_salt)
+        self.totals.requests += 1
+        self.totals.prompt_tokens += seq.num_prompt_tokens
+        bisect.insort(self._waiting, seq, key=self._queue_key)
+
+    def abort(self, seq: Sequence) -> bool:
+        """Stop a sequence at once and free its blocks; False if it had already finished."""
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+            self._free(seq)
+        elif seq.state is SeqState.WAITING:
+            self._waiting.remove(seq)
+        else:
+            return False
+        self._finish(seq, FinishReason.ABORT)
+        self.totals.aborts += 1
+        return True
+
+    def schedule(self) -> int:
+        """Give running sequences room for this step's token, admit waiting ones; return tokens to prefill."""
+        self._grow_running()
+        return self._admit_waiting()
+
+    def step_seconds(self, prefill_tokens: int) -> float:
+        """Nominal duration of the step just scheduled: decode for the batch plus prefill of new sequences."""
+        options = self._options
+        return (
+            options.decode_step_seconds
+            + options.decode_seconds_per_seq * len(self.running)
+            + options.prefill_seconds_per_token * prefill_tokens
+        )
+
+    def complete_step(self, now: float) -> StepOutcome:
+        """Emit one token to every running sequence and retire those that are done."""
+        finished = []
+        for seq in self.running:
+            if seq.max_tokens > 0:
+                self._emit_token(seq, now)
+            if len(seq.output_ids) >= seq.max_tokens:
+                self._free(seq)
+                self._finish(seq, FinishReason.LENGTH if seq.max_tokens else FinishReason.STOP)
+                self.totals.completed += 1
+                finished.append(seq)
+        advanced = self.running
+        if finished:
+            self.running = [seq for seq in advanced if seq.state is SeqState.RUNNING]
+        return StepOutcome(advanced=advanced, finished=finished)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached block no running sequence uses."""
+        self.cache.clear_unpinned()
+
+    def _emit_token(self, seq: Sequence, now: float) -> None:
+        token_id = output_token(seq.seed, len(seq.output_ids))
+        seq.tokens.append(token_id)
+        seq.output_ids.append(token_id)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        else:
+            seq.last_token_gap = now - seq.last_token_time
+        seq.last_token_time = now
+        self.totals.generation_tokens += 1
+
+    def _grow_running(self) -> None:
+        """Allocate the blocks each running sequence needs, preempting the least important when full."""
+        for seq in list(self.running):
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted earlier in this loop
+            needed = _ceil_div(len(seq.tokens), self._block_size) - len(seq.held)
+            while not self.cache.can_allocate((), needed):
+                victim = self._preemption_victim()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.state is SeqState.RUNNING:
+                self._allocate(seq)
+
+    def _preemption_victim(self) -> Sequence:
+        if self._options.priority_scheduling:
+            return max(self.running, key=self._queue_key)
+        return self.running[-1]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.state = SeqState.WAITING
+        bisect.insort(self._waiting, seq, key=self._queue_key)
+        self.totals.preemptions += 1
+
+    def _admit_waiting(self) -> int:
+        """Move waiting sequences into the batch in queue order while seats and blocks last."""
+        options = self._options
+        prefill_tokens = 0
+        loras = set(self.running_loras())
+        skipped: list[Sequence] = []
+        admitted = 0
+        for seq in self._waiting:
+            if len(self.running) >= options.max_num_seqs:
+                break
+            if seq.lora and seq.lora not in loras and len(loras) >= options.max_loras:
+                skipped.append(seq)  # vLLM skips it and keeps scanning the queue
+                continue
+            num_tokens = len(seq.tokens)
+            # The last token is always recomputed to get logits, so a hit covers at most num_tokens - 1.
+            hits = self.cache.longest_hit(seq.block_hashes, (num_tokens - 1) // self._block_size)
+            hit_hashes = seq.block_hashes[:hits]
+            if not self.cache.can_allocate(hit_hashes, _ceil_div(num_tokens, self._block_size) - hits):
+                break
+            admitted += 1
+            for block_hash in hit_hashes:
+                self.cache.pin(block_hash)
+            seq.held = list(hit_hashes)
+            seq.settled_blocks = hits
+            self._allocate(seq)
+            if self.cache.enable_caching:
+                self.totals.prefix_cache_queries += num_tokens
+                self.totals.prefix_cache_hits += hits * self._block_size
+            seq.state = SeqState.RUNNING
+            self.running.append(seq)
+            if seq.lora:
+                loras.add(seq.lora)
+            prefill_tokens += num_tokens - hits * self._block_size
+        if admitted:
+            self._waiting = skipped + self._waiting[admitted + len(skipped) :]
+        return prefill_tokens
+
+    def _allocate(self, seq: Sequence) -> None:
+        """Hold blocks for every token of the sequence and publish the full ones to the cache."""
+        for _ in range(_ceil_div(len(seq.tokens), self._block_size) - len(seq.held)):
+            self.cache.allocate()
+            seq.held.append(None)
+        full_blocks = len(seq.tokens) // self._block_size
+        extend_block_hashes(seq.block_hashes, seq.tokens, self._block_size, seq.lora, seq.cache_salt)
+        for index in range(seq.settled_blocks, full_blocks):
+            if seq.held[index] is None and self.cache.register(seq.block_hashes[index]):
+                seq.held[index] = seq.block_hashes[index]
+        seq.settled_blocks = full_blocks
+
+    def _free(self, seq: Sequence) -> None:
+        self.cache.release(seq.held)
+        seq.held = []
+        seq.settled_blocks = 0
+
+    @staticmethod
+    def _finish(seq: Sequence, reason: FinishReason) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
