@@ -1,0 +1,178 @@
+"""Real vLLM OpenAI servers (the CPU build) on loopback, for the real-engine suite and benchmarks.
+
+Each engine is its own process group, pinned to one core, with every temporary file (IPC sockets, caches,
+the torch inductor cache, its log) inside a directory of the caller's; `stop` sends SIGTERM, then SIGKILL.
+The interpreter comes from `KVGATE_VLLM_PYTHON` (`./dev real` creates `.venv-vllm` and sets it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_PYTHON_ENV = "KVGATE_VLLM_PYTHON"
+HASH_SEED = "0"  # PYTHONHASHSEED of every engine: sha256_cbor block hashes are then the same on every run
+
+
+def vllm_python() -> str | None:
+    """The interpreter with vLLM installed, or None when the real-engine suite was not set up."""
+    path = os.environ.get(VLLM_PYTHON_ENV)
+    return path if path and Path(path).exists() else None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How one engine is started."""
+
+    port: int
+    cpu: int  # the core its worker threads are pinned to
+    model_dir: Path
+    served_model_name: str = "tiny-llama"
+    kv_cache_bytes: int = 48 * 128 * 1024 * 2  # bytes of KV cache: about 1 KiB per token for the tiny model
+    max_num_seqs: int = 8
+    max_model_len: int = 4096
+    priority_scheduling: bool = False
+    kv_events_port: int | None = None  # ZMQ PUB port; None: no KV events
+    kv_events_replay_port: int | None = None
+    shutdown_timeout: int = 10  # seconds in-flight requests get after SIGTERM
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, python: str) -> list[str]:
+        """The command line of this engine."""
+        argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                "--served-model-name", self.served_model_name, "--host", "127.0.0.1", "--port", str(self.port),
+                "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager",
+                "--max-model-len", str(self.max_model_len), "--max-num-seqs", str(self.max_num_seqs),
+                "--enable-prefix-caching", "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
+                "--prefix-caching-hash-algo", "sha256_cbor", "--shutdown-timeout", str(self.shutdown_timeout),
+                "--disable-uvicorn-access-log"]  # fmt: skip
+        if self.priority_scheduling:
+            argv += ["--scheduling-policy", "priority"]
+        if self.kv_events_port is not None:
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+                      "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}"}
+            if self.kv_events_replay_port is not None:
+                events["replay_endpoint"] = f"tcp://127.0.0.1:{self.kv_events_replay_port}"
+            argv += ["--kv-events-config", json.dumps(events)]
+        return argv + list(self.extra_args)
+
+
+@dataclass
+class VllmEngine:
+    """One running (or stopped) vLLM server."""
+
+    spec: EngineSpec
+    workdir: Path  # everything the engine writes goes below it
+    python: str
+    process: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        """Base URL of its OpenAI server."""
+        return f"http://127.0.0.1:{self.spec.port}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """Where its KV events are published, if enabled."""
+        return None if self.spec.kv_events_port is None else f"tcp://127.0.0.1:{self.spec.kv_events_port}"
+
+    @property
+    def replay_endpoint(self) -> str | None:
+        """Where buffered KV event batches can be replayed from, if enabled."""
+        port = self.spec.kv_events_replay_port
+        return None if port is None else f"tcp://127.0.0.1:{port}"
+
+    @property
+    def log_path(self) -> Path:
+        """The engine's combined stdout and stderr."""
+        return self.workdir / "engine.log"
+
+    def start(self) -> None:
+        """Start the process; returns at once (see `wait_ready`)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tmp = self.workdir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(self.spec.cpu), "TMPDIR": str(tmp),
+               "VLLM_CACHE_ROOT": str(self.workdir / "vllm-cache"), "TORCHINDUCTOR_CACHE_DIR": str(self.workdir / "inductor"),
+               "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.workdir / "hf"), "PYTHONHASHSEED": HASH_SEED,
+               "VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.spec.argv(self.python), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Block until `/health` answers 200; raises with the log's tail if the engine dies or is late."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"vLLM engine on port {self.spec.port} exited:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM engine on port {self.spec.port} not healthy after {timeout} s:\n{self.log_tail()}")
+
+    def signal(self, signum: int) -> None:
+        """Send a signal to the engine's whole process group."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signum)
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
+        if self.process is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.process.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # workers the API server left behind go too
+        except ProcessLookupError:
+            pass
+        self.process.wait(5)
+        self.process = None
+
+    def restart(self, timeout: float = 180.0) -> None:
+        """Stop and start again on the same ports: its prefix cache starts empty."""
+        self.stop()
+        self.start()
+        self.wait_ready(timeout)
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the engine's prefix cache (needs VLLM_SERVER_DEV_MODE, which `start` sets)."""
+        request = urllib.request.Request(self.url + "/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the engine's log."""
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def start_engines(specs: list[EngineSpec], workdir: Path, python: str, timeout: float = 240.0) -> list[VllmEngine]:
+    """Start every engine at once and wait until all are healthy; stops them all if one fails."""
+    engines = [VllmEngine(spec, workdir / f"engine-{spec.port}", python) for spec in specs]
+    try:
+        for engine in engines:
+            engine.start()
+        for engine in engines:
+            engine.wait_ready(timeout)
+    except BaseException:
+        for engine in engines:
+            engine.stop(grace=5)
+        raise
+    return engines
