@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import subprocess
+import sys
 import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -184,3 +186,14 @@ async def test_five_hundred_idle_connections_neither_block_a_stream_nor_leak_des
                 writer.close()
         await wait_until(lambda: guard.served == 0)
         await wait_until(lambda: open_descriptors() <= baseline + 5)  # pooled upstream and poller sockets come and go
+
+
+def test_a_low_open_file_hard_limit_lowers_max_connections_instead_of_warning_at_every_start() -> None:
+    code = ("import logging, resource, sys; logging.basicConfig(stream=sys.stderr, level=logging.INFO); "
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (1200, 1200)); "
+            "from kvgate.router.limits import raise_open_file_limit; "
+            "print(raise_open_file_limit(10000), raise_open_file_limit(20), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["58", "20", "1200"]  # (1200 - 1024 spare) // 3 files per connection
+    assert "INFO" in done.stderr and "max_connections lowered to 58" in done.stderr and "WARNING" not in done.stderr

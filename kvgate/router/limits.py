@@ -27,6 +27,10 @@ MAX_HEADERS = 128
 # so at once (max_connections, but at least this many) before further ones are dropped unanswered.
 _REFUSAL_LINGER_S = 1.0
 _REFUSALS_AT_ONCE = 1024
+# Each served client socket may hold an upstream socket, and refused ones linger briefly: about 3 files each,
+# plus some for the scrapers, watchers and the process itself.
+_FILES_PER_CONNECTION = 3
+_SPARE_FILES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,16 +263,26 @@ class _Refusal(asyncio.Protocol):
             self._guard.refusing -= 1
 
 
-def raise_open_file_limit(max_connections: int) -> None:
-    """Raise this process's open-file limit to fit max_connections; warn when the hard limit forbids it."""
-    # Each served client socket may hold an upstream socket, and refused ones linger briefly: about 3 each.
-    needed = 3 * max_connections + 1024
+def raise_open_file_limit(max_connections: int) -> int:
+    """Raise this process's open-file limit to fit max_connections; the connections the limit then affords.
+
+    Where the hard limit is lower than max_connections needs, the listener serves fewer connections at once
+    instead of failing on EMFILE when a flood arrives (said once at start, at info: it is the host's setting).
+    """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = _files_for(max_connections)
     if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
+        return max_connections
     target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
     if target > soft:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-    if target < needed:
-        log.warning("open-file limit %d is below the %d that max_connections=%d may need; "
-                    "raise `ulimit -n` or lower max_connections", target, needed, max_connections)
+    if target >= needed:
+        return max_connections
+    affordable = max(1, (target - _SPARE_FILES) // _FILES_PER_CONNECTION)
+    log.info("max_connections lowered to %d to fit the open-file limit %d (asked %d; raise `ulimit -n` for more)",
+             affordable, target, max_connections)
+    return affordable
+
+
+def _files_for(connections: int) -> int:
+    return _FILES_PER_CONNECTION * connections + _SPARE_FILES

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -78,7 +79,7 @@ class GatewayServer:
         if admin is not None and self.config.admin_address is not None:
             listeners.append((admin, self.config.admin_address))
         limits = ConnectionLimits.from_config(self.config)
-        raise_open_file_limit(limits.max_connections)
+        limits = dataclasses.replace(limits, max_connections=raise_open_file_limit(limits.max_connections))
         loop = asyncio.get_running_loop()
         for application, (host, port) in listeners:
             runner = web.AppRunner(application, handle_signals=False, handler_cancellation=True,
