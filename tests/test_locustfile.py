@@ -1,4 +1,4 @@
-"""loadtest/locustfile.py run headless by locust against kvgate in front of simulated replicas."""
+"""kvgate/loadtest/locustfile.py run headless by locust against kvgate in front of simulated replicas."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from tests.harness import running_gateway
 
 REPO = Path(__file__).resolve().parent.parent
 LOCUST = Path(sys.executable).with_name("locust")
-# Fast replicas: 4x time compression, short replies, so a few seconds hold dozens of conversations.
-FAST_SIM = SimOptions(speed=4.0)
+# Fast replicas: 4x time compression, short replies, so a few seconds hold dozens of conversations. They serve a
+# model the locustfile is not told about: it asks the host's /v1/models.
+FAST_SIM = SimOptions(speed=4.0, models=("acme/support-model",))
 LOCUST_ENV = {
     "KVGATE_LT_TENANTS": "3",
     "KVGATE_LT_SYSTEM_PROMPT_CHARS": "2000",
@@ -64,6 +65,7 @@ async def test_locust_streams_chats_and_batches_through_kvgate_and_records_ttft(
     chat_posts = rows[("POST", "chat")]
     assert int(chat_posts["Request Count"]) >= 10, output[-3000:]
     assert int(rows[("POST", "batch")]["Request Count"]) >= 1
+    assert 1 <= int(rows[("GET", "/v1/models")]["Request Count"]) <= 4  # until the first answer, by each user at most
     assert all(int(row["Failure Count"]) == 0 for row in rows.values()), output[-3000:]
     ttft, e2e, itl = rows[("TTFT", "chat")], rows[("E2E", "chat")], rows[("ITL", "chat")]
     assert int(ttft["Request Count"]) == int(chat_posts["Request Count"])

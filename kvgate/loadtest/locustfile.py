@@ -1,7 +1,7 @@
 """Locust users that model LLM traffic against any OpenAI-compatible URL (kvgate, vLLM, another router).
 
-    locust -f loadtest/locustfile.py --headless -u 50 -r 5 -t 2m --host http://127.0.0.1:8080
-    locust -f loadtest/locustfile.py --host http://127.0.0.1:8080      # web UI on :8089
+    locust -f kvgate/loadtest/locustfile.py --headless -u 50 -r 5 -t 2m --host http://127.0.0.1:8080
+    locust -f kvgate/loadtest/locustfile.py --host http://127.0.0.1:8080      # web UI on :8089
 
 InteractiveChatUser: picks a tenant, keeps a multi-turn streamed chat under that tenant's long system
 prompt (the reply and a new user turn are appended each turn), thinks between turns, and starts a new
@@ -19,7 +19,7 @@ Environment knobs (locust's own options set users, spawn rate, duration, host, C
     KVGATE_LT_BATCH_PROMPT_CHARS=16000   characters of a batch prompt
     KVGATE_LT_BATCH_MAX_TOKENS=256       max_tokens of batch requests
     KVGATE_LT_BATCH_STREAM=1             1: stream batch replies, 0: wait for the whole JSON body
-    KVGATE_LT_MODEL=meta-llama/Llama-3.1-8B-Instruct
+    KVGATE_LT_MODEL=                     the model to ask for; unset: the first one the host's /v1/models lists
 
 Besides the POST rows (time to response headers, failures), each streamed request records custom
 rows, by request type and name ("chat" or "batch"): TTFT (sending to the first non-empty content
@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from locust import HttpUser, between, task
+from locust.exception import StopUser
 
 from kvgate.loadtest.bench.sse import ChatStream
 from kvgate.loadtest.bench.workload import system_prompt, tenant_weights, user_message
@@ -65,7 +66,7 @@ BATCH_SHARE = float(os.environ.get("KVGATE_LT_BATCH_SHARE", "0.1"))
 BATCH_PROMPT_CHARS = _env_int("KVGATE_LT_BATCH_PROMPT_CHARS", 16000)
 BATCH_MAX_TOKENS = _env_int("KVGATE_LT_BATCH_MAX_TOKENS", 256)
 BATCH_STREAM = os.environ.get("KVGATE_LT_BATCH_STREAM", "1") != "0"
-MODEL = os.environ.get("KVGATE_LT_MODEL", "meta-llama/Llama-3.1-8B-Instruct")
+_MODEL = os.environ.get("KVGATE_LT_MODEL") or None  # None: asked of the host once per process
 
 if not 0.0 <= BATCH_SHARE <= 1.0:
     raise ValueError(f"KVGATE_LT_BATCH_SHARE must be within 0..1, got {BATCH_SHARE}")
@@ -92,6 +93,19 @@ class _LlmUser(HttpUser):
 
     abstract = True
     label = "chat"
+
+    @property
+    def model(self) -> str:
+        """KVGATE_LT_MODEL, or the first model the host serves (read once per process from /v1/models)."""
+        global _MODEL
+        if _MODEL is None:
+            with self.client.get("/v1/models", name="/v1/models", catch_response=True) as response:
+                models = response.json().get("data") if response.status_code == 200 else None
+                if not models:
+                    response.failure(f"no model to ask for: /v1/models answered HTTP {response.status_code}")
+                    raise StopUser()
+                _MODEL = str(models[0]["id"])
+        return _MODEL
 
     def _record(self, request_type: str, milliseconds: float, length: int = 0) -> None:
         self.environment.events.request.fire(
@@ -160,7 +174,7 @@ class InteractiveChatUser(_LlmUser):
     def next_turn(self) -> None:
         """Ask the next question of the conversation; start a new one after the last turn or a failure."""
         self.messages.append({"role": "user", "content": user_message(self.conversation, self.turn, USER_CHARS)})
-        body = {"model": MODEL, "messages": self.messages, "max_tokens": MAX_TOKENS, "stream": True}
+        body = {"model": self.model, "messages": self.messages, "max_tokens": MAX_TOKENS, "stream": True}
         reply = self.chat(body)
         self.turn += 1
         if reply is None or self.turn >= TURNS:
@@ -181,7 +195,7 @@ class BatchUser(_LlmUser):
         """Submit one long document to summarize."""
         document = user_message(next(_CONVERSATIONS), 0, BATCH_PROMPT_CHARS)
         body = {
-            "model": MODEL,
+            "model": self.model,
             "messages": [{"role": "user", "content": "Summarize this document.\n\n" + document}],
             "max_tokens": BATCH_MAX_TOKENS,
             "stream": BATCH_STREAM,

@@ -24,7 +24,8 @@ _HELP = {
     "idle_timeout": "longest silence in seconds between two upstream chunks",
     "request_timeout": "total seconds per request, 0 for none",
     "max_body_bytes": "largest accepted request body",
-    "retries": "extra attempts on another replica after a connect failure",
+    "retries": "extra attempts on another replica when one fails before anything reached the client (connect "
+               "failure, connection closed before answering, vLLM's shutdown answer)",
     "drain_delay": "seconds new requests are still taken after SIGTERM",
     "drain_timeout": "seconds in-flight requests get to finish after the listener closes",
     "scrape_interval": "seconds between /metrics scrapes of each replica",

@@ -41,7 +41,7 @@ class GatewayMetrics:
                                           "Share of a request's prefix blocks the chosen replica is believed to hold",
                                           buckets=_FRACTION_BUCKETS, registry=r)
         self.rejected = Counter("kvgate_rejected_requests", "Requests answered by the gateway itself with an error",
-                                ["status", "reason"], registry=r)
+                                ["status", "param"], registry=r)
         self.auth_failures = Counter("kvgate_auth_failures", "Requests refused with 401, by reason (missing, invalid)",
                                      ["reason"], registry=r)
 
