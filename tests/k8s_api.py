@@ -348,3 +348,39 @@ class K8sTestApi:
     @staticmethod
     async def _write(response: web.StreamResponse, event: Event) -> None:
         await response.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+
+
+def make_pool(name: str, match_labels: dict[str, str], ports: Sequence[int] = (8000,),
+              namespace: str = "default", failure_mode: str = "FailClose") -> dict[str, Any]:
+    """An InferencePool selecting pods by `match_labels`, offering `ports`, picked by kvgate's Service."""
+    return {
+        "kind": "InferencePool", "apiVersion": POOL_GROUP_VERSION,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"selector": {"matchLabels": dict(match_labels)},
+                 "targetPorts": [{"number": port} for port in ports],
+                 "endpointPickerRef": {"kind": "Service", "name": "kvgate-picker", "port": {"number": 9002},
+                                       "failureMode": failure_mode}},
+    }
+
+
+def make_pod(name: str, ip: str | None, labels: dict[str, str], ready: bool = True, deleting: bool = False,
+             namespace: str = "default") -> dict[str, Any]:
+    """A Running pod with `ip` (None: not started), its Ready condition, and a deletionTimestamp when `deleting`."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"phase": "Running" if ip else "Pending",
+                              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": {"containers": [{"name": "vllm"}]},
+            "status": status}
+
+
+def make_objective(name: str, pool: str, priority: int | None, namespace: str = "default") -> dict[str, Any]:
+    """An InferenceObjective of `pool` with `priority` (None: left unset)."""
+    spec: dict[str, Any] = {"poolRef": {"group": "inference.networking.k8s.io", "name": pool}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"kind": "InferenceObjective", "apiVersion": OBJECTIVE_GROUP_VERSION,
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}

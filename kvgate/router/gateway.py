@@ -41,6 +41,12 @@ def default_discovery(config: GatewayConfig) -> Discovery:
         watchers = [EndpointSliceWatcher(config.namespace, service, port_name=config.port_name, port=config.port,
                                          read_timeout_s=config.watch_read_timeout) for service in config.service]
         return watchers[0] if len(watchers) == 1 else MultiDiscovery(watchers)
+    if config.discovery == "inferencepool":
+        from kvgate.endpoints.inference_pool import InferencePoolWatcher
+        from kvgate.endpoints.k8s_watch import WatchSettings
+
+        assert config.pool is not None
+        return InferencePoolWatcher(config.namespace, config.pool, WatchSettings(config.watch_read_timeout))
     return StaticDiscovery(parse_endpoint_urls(config.endpoints))
 
 
@@ -77,7 +83,7 @@ class Gateway:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup_ctx: open sessions and start background tasks, then close them after the drain."""
         config = self.config
-        if config.discovery == "kubernetes":
+        if config.discovery in ("kubernetes", "inferencepool"):
             from kvgate.endpoints.kubernetes import load_kubernetes_config
 
             await load_kubernetes_config()
