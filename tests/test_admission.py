@@ -62,6 +62,18 @@ def test_priority_class_comes_from_headers(headers, expected) -> None:
     assert classify(headers, config) == expected
 
 
+@pytest.mark.parametrize(("objective", "expected"), [
+    ("chat", "critical"), ("code", "interactive"), ("default", "interactive"), ("eval", "batch"),
+    ("nightly", "batch"), ("100", "critical"), ("-5", "batch"),
+])
+def test_pool_objectives_map_to_classes_by_priority_band(objective, expected) -> None:
+    config = PriorityConfig(classes=("critical", "interactive", "batch"), default="interactive",
+                            bands={"critical": 10, "interactive": 0}, objectives={"nightly": "batch"})
+    pool_objectives = {"chat": 10, "code": 5, "default": 0, "eval": -1, "nightly": 50}
+    headers = {"x-gateway-inference-objective": objective}
+    assert classify(headers, config, objectives=pool_objectives) == expected
+
+
 @pytest.mark.parametrize(("headers", "header"), [
     ({"x-priority": "urgent"}, "x-priority"),
     ({"x-gateway-inference-objective": "who-knows"}, "x-gateway-inference-objective"),

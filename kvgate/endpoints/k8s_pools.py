@@ -14,7 +14,8 @@ from kvgate.endpoints.k8s_watch import ObjectError, object_name
 from kvgate.endpoints.model import Endpoint
 
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
-OBJECTIVE_GROUP, OBJECTIVE_VERSION, OBJECTIVE_PLURAL = "inference.networking.x-k8s.io", "v1alpha2", "inferenceobjectives"
+OBJECTIVE_GROUP, OBJECTIVE_VERSION = "inference.networking.x-k8s.io", "v1alpha2"
+OBJECTIVE_PLURAL = "inferenceobjectives"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +62,7 @@ def read_pool(obj: Mapping[str, Any]) -> PoolSpec:
 
 
 def read_pod(obj: Mapping[str, Any]) -> Pod | None:
-    """A pod with an IP; None while it has none (not scheduled or not started). Accepting while Ready and not deleted."""
+    """A pod with an IP, accepting while Ready and not being deleted; None while it has no IP yet."""
     name = object_name(obj)
     meta = obj["metadata"]
     status = obj.get("status")

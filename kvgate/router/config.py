@@ -259,6 +259,9 @@ def _validate_priorities(config: GatewayConfig) -> None:
     for objective, name in config.priorities.objectives.items():
         if name not in classes:
             raise ConfigError(f"priorities.objectives: {objective!r} maps to unknown class {name!r}")
+    unknown_bands = [name for name in config.priorities.bands if name not in classes]
+    if unknown_bands:
+        raise ConfigError(f"priorities.bands: names unknown class(es) {', '.join(map(repr, unknown_bands))}")
     saturation = config.saturation
     if min(saturation.queue, saturation.in_flight, saturation.seats, saturation.seated_queue) < 0 \
             or not 0 < saturation.kv_cache <= 1:

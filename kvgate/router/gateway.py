@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -17,15 +18,17 @@ from kvgate.endpoints.model import EndpointState
 from kvgate.endpoints.models import ModelLister
 from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.policies import build_policy
-from kvgate.policies.priorities import fleet_headroom
-from kvgate.policies.types import Policy
+from kvgate.policies.priorities import PriorityError, classify, fleet_headroom
+from kvgate.policies.types import Decision, Policy
 from kvgate.router.admission import AdmissionQueue
 from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from kvgate.router.ratelimit import RateLimiter
 from kvgate.router.config import GatewayConfig
+from kvgate.router.errors import GatewayError
 from kvgate.router.metrics import FleetCollector, GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.proxy import Forwarder, UpstreamTimeouts
+from kvgate.router.requests import ParsedRequest
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,31 @@ class Gateway:
         self.limiter = RateLimiter()
         self.models: ModelLister | None = None
         self.scraper: MetricsScraper | None = None
+
+    def priority_class(self, headers: Mapping[str, str], fallback: str | None = None) -> str:
+        """The request's priority class from its headers (and the pool's objectives); 400 naming a bad header."""
+        try:
+            return classify(headers, self.config.priorities, fallback, getattr(self.discovery, "objectives", None))
+        except PriorityError as exc:
+            raise GatewayError(400, str(exc), param=exc.header) from None
+
+    @asynccontextmanager
+    async def admitted(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> AsyncIterator[Decision]:
+        """The request past the model check and the admission queue, with the policy's decision.
+
+        What the HTTP proxy and the endpoint picker both do before a request goes to a replica: 404 for a
+        model no replica serves, 429 when the queue sheds it, 503 when no replica (of `subset`, `host:port`
+        addresses, when given) can take it. The request's admission is released when the block exits.
+        """
+        assert self.forwarder is not None and self.admission is not None
+        model = parsed.info.model
+        if not self.serves(model) and self.models_known():
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+        await self.admission.admit(parsed.info)
+        try:
+            yield self.forwarder.choose(parsed, subset)
+        finally:
+            self.admission.release(model)
 
     def ready(self) -> tuple[bool, str]:
         """Whether the gateway should receive traffic, and why not."""
