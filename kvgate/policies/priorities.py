@@ -7,9 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.endpoints.model import EndpointState
+from kvgate.policies.types import DEFAULT_FLOW
 
 PRIORITY_HEADER = "x-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+_MAX_FLOW_CHARS = 128
 
 
 class PriorityError(ValueError):
@@ -68,6 +71,11 @@ def classify(headers: Mapping[str, str], config: PriorityConfig, fallback: str |
             raise PriorityError(OBJECTIVE_HEADER, f"header {OBJECTIVE_HEADER} names an unknown objective "
                                                   f"{objective[:64]!r}") from None
     return fallback or config.default
+
+
+def fairness_id(headers: Mapping[str, str]) -> str:
+    """The request's flow within its class: x-gateway-inference-fairness-id (cut to 128 characters), else the default."""
+    return headers.get(FAIRNESS_HEADER, "").strip()[:_MAX_FLOW_CHARS] or DEFAULT_FLOW
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from kvgate.router.headers import request_id as make_request_id
 from kvgate.router.preemption import Preempted
 from kvgate.router.proxy import CLIENT_GONE, Outcome
 from kvgate.router.requests import ParsedRequest, parse_request, with_upstream_priority
+from kvgate.policies.priorities import fairness_id
 from kvgate.policies.types import Decision
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,8 @@ class Handlers:
             key = request.get(KEY_INFO)
             priority_class = gateway.priority_class(request.headers, key.priority if key else None)
             raw = await self._read_body(request)
-            parsed = parse_request(request.path, raw, priority_class, gateway.config.routing)
+            parsed = parse_request(request.path, raw, priority_class, gateway.config.routing,
+                                   fairness_id(request.headers))
             model = parsed.info.model
             if key is not None:
                 gateway.limiter.admit(key, estimate_tokens(parsed))

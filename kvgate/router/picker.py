@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvgate.endpoints.model import EndpointState
+from kvgate.policies.priorities import fairness_id
 from kvgate.policies.types import Decision
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.gateway import Gateway
@@ -137,7 +138,7 @@ class PickerStream:
         try:
             priority_class = gateway.priority_class(request.headers)
             self._parsed = parse_request(request.headers[":path"].partition("?")[0], bytes(request.body),
-                                         priority_class, gateway.config.routing)
+                                         priority_class, gateway.config.routing, fairness_id(request.headers))
             decision = await self._held.enter_async_context(gateway.admitted(self._parsed, request.subset))
         except GatewayError as error:
             gateway.metrics.rejected.labels(str(error.status), error.param or "-").inc()
