@@ -36,7 +36,7 @@ async def behind_envoy(envoy_binary: Path, fleet: SimFleet, fail_open: bool = Fa
     settings.setdefault("endpoints", fleet.urls)
     async with running_gateway(picker_listen="127.0.0.1:0", **settings) as gw:
         await wait_until(lambda: gw.gateway.ready()[0] and gw.gateway.models_known(), timeout=10)
-        route = PickerRoute(gw.server.picker.port, fail_open=fail_open, body_mode=body_mode)
+        route = PickerRoute((gw.server.picker.port,), fail_open=fail_open, body_mode=body_mode)
         async with running_envoy(envoy_binary, envoy_config(fleet.urls, route)) as envoy, \
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
             yield gw, envoy, client
@@ -64,6 +64,31 @@ async def test_a_conversation_lands_where_kvgate_picked_turn_after_turn(envoy_bi
     counts = requests_per_replica(fleet)
     assert sorted(counts) == [0, 0, 4]  # one replica took every turn, whatever the client's header said
     assert decisions >= 3
+
+
+async def test_two_pickers_make_the_same_choices_for_a_conversation(envoy_binary, fleet) -> None:
+    async with running_gateway(endpoints=fleet.urls, picker_listen="127.0.0.1:0") as first, \
+            running_gateway(endpoints=fleet.urls, picker_listen="127.0.0.1:0") as second:
+        await wait_until(lambda: all(gw.gateway.ready()[0] and gw.gateway.models_known() for gw in (first, second)),
+                         timeout=10)
+        route = PickerRoute((first.server.picker.port, second.server.picker.port))
+        async with running_envoy(envoy_binary, envoy_config(fleet.urls, route)) as envoy, \
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
+            for conversation in range(3):
+                history = f"Tenant {conversation} system prompt, long enough to span many blocks. " * 20
+                for turn in range(4):
+                    before = requests_per_replica(fleet)
+                    history += f" question {turn}?"
+                    async with client.post(envoy.url + "/v1/chat/completions", json=chat(history)) as response:
+                        assert response.status == 200
+                        history += " " + (await response.json())["choices"][0]["message"]["content"]
+                    served = [n for n, (a, b) in enumerate(zip(before, requests_per_replica(fleet))) if b > a]
+                    if turn == 0:
+                        home = served
+                    assert served == home  # whichever picker Envoy asked, the conversation stays home
+    asked = [gw.gateway.metrics.decisions.labels(gw.gateway.policy.name, reason)._value.get()
+             for gw in (first, second) for reason in ("prefix_hit", "cold")]
+    assert asked[0] + asked[1] > 0 and asked[2] + asked[3] > 0  # both pickers took part
 
 
 async def test_sse_streams_chunk_by_chunk_and_lands_on_the_picked_replica(envoy_binary, fleet) -> None:

@@ -60,9 +60,9 @@ def ensure_envoy(venv: Path) -> Path:
 
 @dataclass(frozen=True)
 class PickerRoute:
-    """How Envoy asks kvgate's picker: its gRPC port, fail open or closed, and the request body mode."""
+    """How Envoy asks kvgate's pickers: their gRPC ports (round robin), fail open or closed, the request body mode."""
 
-    port: int
+    ports: tuple[int, ...]
     fail_open: bool = False
     body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED
 
@@ -95,7 +95,8 @@ def envoy_config(replica_urls: Sequence[str], picker: PickerRoute | None) -> dic
                 "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},
             },
         })
-        clusters.append(_static_cluster("kvgate_picker", [f"http://127.0.0.1:{picker.port}"], http2=True))
+        clusters.append(_static_cluster("kvgate_picker", [f"http://127.0.0.1:{port}" for port in picker.ports],
+                                        http2=True))
     filters.append({"name": "envoy.filters.http.router", "typed_config": {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
     routes = [
