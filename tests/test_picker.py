@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import grpc
 import orjson
@@ -13,7 +13,6 @@ from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue, Metadata
 from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
-from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgate.router.picker import DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE

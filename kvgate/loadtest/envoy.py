@@ -60,7 +60,7 @@ def ensure_envoy(venv: Path) -> Path:
 
 @dataclass(frozen=True)
 class PickerRoute:
-    """How Envoy asks kvgate's pickers: their gRPC ports (round robin), fail open or closed, the request body mode."""
+    """How Envoy asks kvgate's pickers: their gRPC ports (round robin), failure mode and request body mode."""
 
     ports: tuple[int, ...]
     fail_open: bool = False
@@ -113,7 +113,8 @@ def envoy_config(replica_urls: Sequence[str], picker: PickerRoute | None) -> dic
         "early_header_mutation_extensions": [{
             "name": "envoy.http.early_header_mutation.header_mutation",
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation",
+                "@type": "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3."
+                         "HeaderMutation",
                 "mutations": [{"remove": DESTINATION_HEADER}],
             },
         }],
