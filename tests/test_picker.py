@@ -118,6 +118,8 @@ async def test_duplex_stream_gets_the_endpoint_in_header_and_metadata_then_its_b
         assert moved.endpoint.address == header.split(",")[1]  # the count follows the endpoint that served
         await exchange.end()
         await wait_until(lambda: in_flight(gw) == 0)
+        labels = {"route": "/v1/chat/completions", "model": MODEL, "status": "200", "replica": moved.key}
+        assert gw.gateway.metrics.registry.get_sample_value("kvgate_requests_total", labels) == 1
 
 
 async def test_buffered_mode_answers_headers_at_once_and_routes_in_the_body_answer() -> None:

@@ -65,6 +65,7 @@ class PickerRoute:
     ports: tuple[int, ...]
     fail_open: bool = False
     body_mode: str = "FULL_DUPLEX_STREAMED"  # or BUFFERED
+    report_served: bool = False  # send the response headers (with envoy.lb metadata) to the picker: one more round trip
 
 
 def envoy_config(replica_urls: Sequence[str], picker: PickerRoute | None) -> dict[str, Any]:
@@ -89,7 +90,10 @@ def envoy_config(replica_urls: Sequence[str], picker: PickerRoute | None) -> dic
                 "failure_mode_allow": picker.fail_open,
                 "status_on_error": {"code": 503},
                 "message_timeout": "300s",
-                "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SEND",
+                # Response trailers SEND keeps the stream open until the exchange ends, which is when kvgate
+                # counts the request done; the response body never goes to kvgate.
+                "processing_mode": {"request_header_mode": "SEND",
+                                    "response_header_mode": "SEND" if picker.report_served else "SKIP",
                                     "request_body_mode": picker.body_mode, "request_trailer_mode": trailers,
                                     "response_body_mode": "NONE", "response_trailer_mode": "SEND"},
                 "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]}},

@@ -92,11 +92,18 @@ class PickerStream:
 
     async def close(self) -> None:
         """The HTTP request is over: give back its admission and its replica's in-flight count."""
+        replica = self._replica or "-"  # the release below forgets it
         await self._held.aclose()
-        if self._request is not None:
-            model = self._parsed.info.model if self._parsed else "-"
-            log.info("picked id=%s model=%s replica=%s status=%s duration_ms=%.1f", self._request.request_id, model,
-                     self._replica or "-", self._status, (time.monotonic() - self._request.arrived) * 1000)
+        if self._request is None:
+            return
+        model = self._parsed.info.model if self._parsed else "-"
+        path = self._request.headers.get(":path", "").partition("?")[0]
+        # Only models some replica serves, and only routed paths, become label values.
+        self._gateway.metrics.requests.labels(path if path in ROUTE_KINDS else "other",
+                                              model if self._gateway.serves(model) else "other",
+                                              self._status, replica).inc()
+        log.info("picked id=%s model=%s replica=%s status=%s duration_ms=%.1f", self._request.request_id, model,
+                 replica, self._status, (time.monotonic() - self._request.arrived) * 1000)
 
     async def _request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         headers = {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
