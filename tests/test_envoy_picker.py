@@ -13,7 +13,7 @@ import pytest
 from kvgate.loadtest.envoy import EnvoyProcess, PickerRoute, envoy_config, running_envoy
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
-from tests.k8s_api import make_pod, make_pool
+from tests.k8s_api import make_objective, make_pod, make_pool
 from tests.test_kubernetes_gateway import HOSTS, shared_free_port
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -158,16 +158,20 @@ async def test_inference_pool_pods_behind_envoy_and_503_when_none_is_ready(envoy
     port = shared_free_port()
     fleets = [await SimFleet.start([port], SimOptions(speed=20.0), host=host) for host in HOSTS]
     pods = [make_pod(f"vllm-{n}", host, {"app": "vllm"}) for n, host in enumerate(HOSTS)]
-    for obj in [make_pool("llm", {"app": "vllm"}, ports=(port,)), *pods]:
+    for obj in [make_pool("llm", {"app": "vllm"}, ports=(port,)), *pods, make_objective("eval", "llm", -10)]:
         api.apply(obj)
     urls = [f"http://{host}:{port}" for host in HOSTS]
     try:
         async with behind_envoy(envoy_binary, fleets[0], discovery="inferencepool", pool="llm",
                                 watch_read_timeout=5, endpoints=()) as (gw, envoy, client):
+            await wait_until(lambda: gw.gateway.discovery.objectives == {"eval": -10})
             for n in range(4):
-                async with client.post(envoy.url + "/v1/chat/completions", json=chat(f"q{n}")) as response:
+                async with client.post(envoy.url + "/v1/chat/completions", json=chat(f"q{n}"),
+                                       headers={"x-gateway-inference-objective": "eval"}) as response:
                     assert response.status == 200
             assert sum(f.replicas[0].stats()["requests"] for f in fleets) == 4
+            admitted = gw.gateway.metrics.admitted.labels("batch", "direct")._value.get()
+            assert admitted == 4  # the pool's objective, priority -10, is sheddable: kvgate's batch class
             for n, host in enumerate(HOSTS):
                 api.apply(make_pod(f"vllm-{n}", host, {"app": "vllm"}, ready=False))
             await wait_until(lambda: gw.gateway.fleet.routable_count() == 0)

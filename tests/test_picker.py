@@ -15,6 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate.router.cli import build_parser, cli_settings
+from kvgate.router.config import ConfigError, build_config, from_sources
 from kvgate.router.picker import DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
@@ -204,6 +206,22 @@ async def test_a_shed_request_gets_429_and_a_cancelled_stream_gives_its_seat_bac
         [routed, _] = await again.send(*body_messages(chat("now")), answers=2)
         assert destination(routed)[0]
         await again.end()
+
+
+def test_picker_and_pool_settings_come_from_file_env_and_flags_and_are_checked(tmp_path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("picker_listen: 0.0.0.0:9002\ndiscovery: inferencepool\npool: llm\npriorities:\n"
+                    "  bands: {interactive: 5}\n")
+    config = from_sources({"config": str(path)}, {"KVGATE_PICKER_FALLBACKS": "2"})
+    assert (config.picker_address, config.pool, config.picker_fallbacks) == (("0.0.0.0", 9002), "llm", 2)
+    assert config.priorities.bands == {"interactive": 5}
+    flags = cli_settings(build_parser().parse_args(["serve", "--config", str(path), "--picker-listen", "[::1]:0"]))
+    assert from_sources(flags, {}).picker_address == ("::1", 0)
+    for bad, setting in (({"pool": None}, "pool"), ({"picker_listen": "9002"}, "picker_listen"),
+                         ({"picker_fallbacks": -1}, "picker_fallbacks"),
+                         ({"priorities": {"bands": {"urgent": 1}}}, "priorities.bands")):
+        with pytest.raises(ConfigError, match=setting):
+            build_config({"discovery": "inferencepool", "pool": "llm", **bad})
 
 
 async def test_health_services_follow_readiness_and_the_drain() -> None:
