@@ -2,8 +2,9 @@
 
 Part 1 (routing): multi-turn chats through kvgate as a proxy, Envoy routing round-robin by itself, Envoy asking
 one kvgate picker, and Envoy asking two; the replicas' own prefix-cache counters give the hit rate.
-Part 2 (cost): serial streamed requests to instant stub replicas through Envoy alone and Envoy + picker (and
-kvgate as a proxy): time to first byte, time per streamed chunk, and kvgate's CPU per request and per chunk.
+Part 2 (cost): serial streamed requests to instant stub replicas through Envoy alone, Envoy + picker and kvgate as
+a proxy, taking the paths in turn: time to first byte, time per streamed chunk beyond the stub's pacing, and
+kvgate's CPU per request and per chunk.
 
 Run: python -m kvgate.loadtest.bench_picker [--quick] [--out bench-out]
 """
@@ -32,7 +33,7 @@ from kvgate.loadtest.bench.sizing import fleet_options
 from kvgate.loadtest.bench.summary import percentile, summarise_row
 from kvgate.loadtest.bench.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, WorkloadSpec, build_conversations
 from kvgate.loadtest.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
-from kvgate.loadtest.overhead.stub import CHUNKS_HEADER
+from kvgate.loadtest.overhead.stub import CHUNKS_HEADER, INTERVAL_HEADER
 from kvgate.loadtest.vllm_metrics_page import DEFAULT_MODEL
 from kvgate.simulator import SimOptions
 
@@ -43,6 +44,8 @@ COST_ROWS = (ENVOY, PICKER, PROXY)
 REPLICAS = 3
 POLICY = "cache-aware"
 _TICKS = os.sysconf("SC_CLK_TCK")
+_PACING_MS = 1.0  # between two chunks of a long stream, so that each reaches kvgate and Envoy as its own read
+Streams = tuple[list[float], list[float]]  # sorted times to the first byte and to the end, seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +53,16 @@ class Plan:
     """The workload of part 1 and the request counts of part 2."""
 
     workload: WorkloadSpec
-    serial_requests: int  # per chunk count, per row
+    serial_requests: int  # one-chunk streams per path
     long_stream_chunks: int
+    long_requests: int  # long streams per path
     idle_s: float  # how long kvgate's idle CPU rate is measured
 
 
 FULL = Plan(dataclasses.replace(DEFAULT_WORKLOAD, duration=30.0), serial_requests=300, long_stream_chunks=64,
-            idle_s=3.0)
+            long_requests=60, idle_s=3.0)
 QUICK = Plan(dataclasses.replace(QUICK_WORKLOAD, duration=5.0, conversations=12), serial_requests=20,
-             long_stream_chunks=16, idle_s=0.5)
+             long_stream_chunks=16, long_requests=5, idle_s=0.5)
 
 
 @asynccontextmanager
@@ -111,68 +115,82 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
 
 
 async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, Any]]:
-    """Part 2: serial streams of 1 and of many chunks to instant stubs; TTFB, time per chunk, kvgate CPU."""
+    """Part 2: serial streams to instant stubs through every path in turn (so that the machine's noise falls on
+    all of them alike); TTFB, time per streamed chunk beyond the stub's pacing, and kvgate's CPU."""
     ports = free_ports(REPLICAS)
     stub = ChildProcess("stub", [sys.executable, "-m", "kvgate.loadtest.overhead.stub", "--ports",
                                  ",".join(map(str, ports))], log_dir / "stub.log")
     urls = [base_url(port) for port in ports]
     await stub.start()
-    rows = []
     try:
         await stub.wait_ready([url + "/v1/models" for url in urls])
-        for name in COST_ROWS:
-            async with routed(name, urls, envoy, log_dir) as (target, gateways):
-                await serial_streams(target, 1, max(5, plan.serial_requests // 10))  # warm connections
-                idle = await _idle_cpu_rate(gateways, plan.idle_s)
-                short = await _measured(target, 1, plan.serial_requests, gateways, idle)
-                long = await _measured(target, plan.long_stream_chunks, plan.serial_requests, gateways, idle)
-            extra_chunks = plan.long_stream_chunks - 1
-            rows.append({
-                "row": name,
-                "ttfb_p50_ms": _ms(percentile(short["ttfb"], 50)), "ttfb_p99_ms": _ms(percentile(short["ttfb"], 99)),
-                "chunk_us": 1e6 * (percentile(long["total"], 50) - percentile(short["total"], 50)) / extra_chunks,
-                "kvgate_cpu_ms_per_request": 1e3 * short["cpu"] / plan.serial_requests if gateways else None,
-                "kvgate_cpu_us_per_chunk": 1e6 * (long["cpu"] - short["cpu"]) / (plan.serial_requests * extra_chunks)
-                if gateways else None,
-            })
-            print(f"  {name}: ttfb p50 {rows[-1]['ttfb_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+        async with AsyncExitStack() as stack:
+            targets, gateways = {}, {}
+            for name in COST_ROWS:
+                targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
+            await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
+            idle = await _cpu_rates(gateways, plan.idle_s)
+            short, short_cpu = await _measured(targets, gateways, idle, 1, 0, plan.serial_requests)
+            long, long_cpu = await _measured(targets, gateways, idle, plan.long_stream_chunks, _PACING_MS,
+                                             plan.long_requests)
     finally:
         await stub.stop()
+    rows = []
+    extra_chunks = plan.long_stream_chunks - 1
+    for name in COST_ROWS:
+        (ttfb, short_total), (_, long_total) = short[name], long[name]
+        per_chunk = (percentile(long_total, 50) - percentile(short_total, 50)) / extra_chunks - _PACING_MS / 1000
+        cpu_request = short_cpu[name] / plan.serial_requests
+        rows.append({
+            "row": name, "ttfb_p50_ms": _ms(percentile(ttfb, 50)), "ttfb_p99_ms": _ms(percentile(ttfb, 99)),
+            "chunk_us": 1e6 * per_chunk,
+            "kvgate_cpu_ms_per_request": 1e3 * cpu_request if gateways[name] else None,
+            "kvgate_cpu_us_per_chunk": 1e6 * (long_cpu[name] / plan.long_requests - cpu_request) / extra_chunks
+            if gateways[name] else None,
+        })
+        print(f"  {name}: ttfb p50 {rows[-1]['ttfb_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
     return rows
 
 
-async def _idle_cpu_rate(gateways: Sequence[ChildProcess], seconds: float) -> float:
-    """kvgate's CPU seconds per second with no requests (scrapes, health): taken out of the per-request figures."""
-    before, start = sum(map(_cpu_seconds, gateways)), time.monotonic()
+async def _cpu_rates(gateways: dict[str, list[ChildProcess]], seconds: float) -> dict[str, float]:
+    """Each path's kvgate CPU seconds per second with no requests (scrapes, health), taken out of the figures."""
+    before, start = _cpu_by_path(gateways), time.monotonic()
     await asyncio.sleep(seconds)
-    return (sum(map(_cpu_seconds, gateways)) - before) / (time.monotonic() - start)
+    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
+    return {name: (after[name] - before[name]) / elapsed for name in gateways}
 
 
-async def _measured(target: str, chunks: int, count: int, gateways: Sequence[ChildProcess],
-                    idle_rate: float) -> dict[str, Any]:
-    """Serial streams of `chunks` chunks; their times and kvgate's CPU beyond its idle rate."""
-    before, start = sum(map(_cpu_seconds, gateways)), time.monotonic()
-    ttfb, total = await serial_streams(target, chunks, count)
-    cpu = sum(map(_cpu_seconds, gateways)) - before - idle_rate * (time.monotonic() - start)
-    return {"ttfb": ttfb, "total": total, "cpu": cpu}
+async def _measured(targets: dict[str, str], gateways: dict[str, list[ChildProcess]], idle: dict[str, float],
+                    chunks: int, pacing_ms: float, count: int) -> tuple[dict[str, Streams], dict[str, float]]:
+    """Streams through every path in turn, and each path's kvgate CPU beyond its idle rate."""
+    before, start = _cpu_by_path(gateways), time.monotonic()
+    streams = await interleaved(targets, chunks, pacing_ms, count)
+    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
+    return streams, {name: after[name] - before[name] - idle[name] * elapsed for name in gateways}
 
 
-async def serial_streams(target: str, chunks: int, count: int) -> tuple[list[float], list[float]]:
-    """`count` streamed chats one after another; sorted times to the first body byte and to the end."""
+def _cpu_by_path(gateways: dict[str, list[ChildProcess]]) -> dict[str, float]:
+    return {name: sum(map(_cpu_seconds, children)) for name, children in gateways.items()}
+
+
+async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, count: int) -> dict[str, Streams]:
+    """`count` streamed chats per target, one at a time, the targets in turn; per target the sorted times to the
+    first body byte and to the end."""
     body = orjson.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True})
-    ttfb, total = [], []
+    headers = {"Content-Type": "application/json", CHUNKS_HEADER: str(chunks), INTERVAL_HEADER: str(pacing_ms)}
+    times: dict[str, Streams] = {name: ([], []) for name in targets}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         for _ in range(count):
-            start = time.perf_counter()
-            headers = {"Content-Type": "application/json", CHUNKS_HEADER: str(chunks)}
-            async with session.post(target + "/v1/chat/completions", data=body, headers=headers) as response:
-                first = await response.content.readany()
-                ttfb.append(time.perf_counter() - start)
-                if response.status != 200 or not first:
-                    raise RuntimeError(f"{target} answered {response.status}: {first[:200]!r}")
-                await response.read()
-                total.append(time.perf_counter() - start)
-    return sorted(ttfb), sorted(total)
+            for name, target in targets.items():
+                start = time.perf_counter()
+                async with session.post(target + "/v1/chat/completions", data=body, headers=headers) as response:
+                    first = await response.content.readany()
+                    times[name][0].append(time.perf_counter() - start)
+                    if response.status != 200 or not first:
+                        raise RuntimeError(f"{name} answered {response.status}: {first[:200]!r}")
+                    await response.read()
+                    times[name][1].append(time.perf_counter() - start)
+    return {name: (sorted(ttfb), sorted(total)) for name, (ttfb, total) in times.items()}
 
 
 def _cpu_seconds(child: ChildProcess) -> float:
@@ -198,7 +216,7 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"{row['ttft_p99_ms']:.0f} ms | {row['requests']} | {row['errors']} | {row['replica_requests']} |")
     lines += ["", "| path (instant stub replicas) | TTFB p50 | TTFB p99 | per streamed chunk | kvgate CPU per request "
                   "| kvgate CPU per chunk |", "|---|---|---|---|---|---|"]
-    for row in report["cost"]:
+    for row in report["cost"]:  # per streamed chunk: beyond the stub's own 1 ms pacing
         cpu_request = "-" if row["kvgate_cpu_ms_per_request"] is None else f"{row['kvgate_cpu_ms_per_request']:.2f} ms"
         cpu_chunk = "-" if row["kvgate_cpu_us_per_chunk"] is None else f"{row['kvgate_cpu_us_per_chunk']:.1f} µs"
         lines.append(f"| {row['row']} | {row['ttfb_p50_ms']:.2f} ms | {row['ttfb_p99_ms']:.2f} ms | "
@@ -225,6 +243,7 @@ async def run(plan: Plan, speed: float, envoy: Path, out: Path) -> dict[str, Any
     cost = await cost_rows(plan, envoy, log_dir)
     return {"workload": dataclasses.asdict(plan.workload), "replicas": REPLICAS, "policy": POLICY, "speed": speed,
             "serial_requests": plan.serial_requests, "long_stream_chunks": plan.long_stream_chunks,
+            "long_requests": plan.long_requests, "pacing_ms": _PACING_MS, "load_average": os.getloadavg(),
             "routing": routing, "cost": cost}
 
 
