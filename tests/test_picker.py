@@ -20,6 +20,7 @@ from kvgate.router.config import ConfigError, build_config, from_sources
 from kvgate.router.picker import DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
+from tests.test_auth import ALICE_SECRET, WRONG_SECRET, standard_keys
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DUPLEX = ext_proc.ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED)
@@ -206,6 +207,24 @@ async def test_a_shed_request_gets_429_and_a_cancelled_stream_gives_its_seat_bac
         [routed, _] = await again.send(*body_messages(chat("now")), answers=2)
         assert destination(routed)[0]
         await again.end()
+
+
+async def test_with_api_keys_the_picker_demands_one_limits_it_and_keeps_it_from_the_replica(tmp_path) -> None:
+    keys = standard_keys(tmp_path, requests_per_minute=1)
+    async with picker(replicas=1, api_keys_file=str(keys)) as (gw, _, channel):
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        answers = []
+        for headers in ({}, {"authorization": f"Bearer {WRONG_SECRET}"}, {"authorization": f"Bearer {ALICE_SECRET}"},
+                        {"authorization": f"Bearer {ALICE_SECRET}"}):
+            exchange = Exchange(stub)
+            await exchange.send(headers_message(headers))
+            [answer, *_] = await exchange.send(*body_messages(chat("hi")), answers=1)
+            answers.append(answer)
+            exchange.call.cancel()
+    statuses = [a.immediate_response.status.code if a.HasField("immediate_response") else 200 for a in answers]
+    assert statuses == [401, 401, 200, 429]  # alice may send one request a minute
+    assert list(answers[2].request_headers.response.header_mutation.remove_headers) == ["authorization"]
+    assert gw.gateway.metrics.auth_failures.labels("missing")._value.get() == 1
 
 
 def test_picker_and_pool_settings_come_from_file_env_and_flags_and_are_checked(tmp_path) -> None:

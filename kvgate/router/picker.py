@@ -1,8 +1,8 @@
 """The Gateway API Inference Extension endpoint picker: Envoy's ext_proc stream, answered by the gateway.
 
 Each HTTP request Envoy proxies opens one `ExternalProcessor/Process` stream. kvgate reads the request's
-headers and body, runs them through the same classification, admission queue, policy and fleet as its own
-proxy (Gateway.admitted), and answers with the chosen endpoint (then the fallbacks) in the header
+headers and body, runs them through the same API keys and rate limits, classification, admission queue, policy
+and fleet as its own proxy (Gateway.admitted), and answers with the chosen endpoint (then the fallbacks) in the header
 `x-gateway-destination-endpoint` and in the `envoy.lb` dynamic metadata; or with an immediate 4xx/5xx. The
 request holds its admission and its replica's in-flight count until Envoy ends the stream, which it does
 when the HTTP request ends, a client cancellation included. The body is read in FULL_DUPLEX_STREAMED mode
@@ -32,9 +32,11 @@ from grpc_health.v1.health import aio as health_aio
 from kvgate.endpoints.model import EndpointState
 from kvgate.policies.priorities import fairness_id
 from kvgate.policies.types import Decision
+from kvgate.router.auth import CREDENTIAL_HEADERS, require_key
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.gateway import Gateway
 from kvgate.router.headers import request_id as make_request_id
+from kvgate.router.ratelimit import estimate_tokens
 from kvgate.router.requests import ROUTE_KINDS, ParsedRequest, parse_request
 
 log = logging.getLogger(__name__)
@@ -143,9 +145,14 @@ class PickerStream:
         request = self._require_request()
         gateway = self._gateway
         try:
-            priority_class = gateway.priority_class(request.headers)
+            key = None if gateway.keys is None else require_key(
+                gateway.keys, request.headers.get("authorization"), gateway.metrics.auth_failures,
+                f"picker id={request.request_id}")
+            priority_class = gateway.priority_class(request.headers, key.priority if key else None)
             self._parsed = parse_request(request.headers[":path"].partition("?")[0], bytes(request.body),
                                          priority_class, gateway.config.routing, fairness_id(request.headers))
+            if key is not None:
+                gateway.limiter.admit(key, estimate_tokens(self._parsed))
             decision = await self._held.enter_async_context(gateway.admitted(self._parsed, request.subset))
         except GatewayError as error:
             gateway.metrics.rejected.labels(str(error.status), error.param or "-").inc()
@@ -154,9 +161,11 @@ class PickerStream:
         self._hold(decision.endpoint)
         targets = [decision.endpoint, *decision.fallbacks[:gateway.config.picker_fallbacks]]
         value = ",".join(state.endpoint.address for state in targets)
-        routed = ext_proc.CommonResponse(header_mutation=ext_proc.HeaderMutation(set_headers=[HeaderValueOption(
-            header=HeaderValue(key=DESTINATION, raw_value=value.encode()),
-            append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)]), clear_route_cache=True)
+        routed = ext_proc.CommonResponse(header_mutation=ext_proc.HeaderMutation(
+            set_headers=[HeaderValueOption(header=HeaderValue(key=DESTINATION, raw_value=value.encode()),
+                                           append_action=HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)],
+            # kvgate's own API keys never reach a replica, as through its proxy
+            remove_headers=sorted(CREDENTIAL_HEADERS) if gateway.keys is not None else []), clear_route_cache=True)
         metadata = Struct()
         metadata.update({LB_NAMESPACE: {DESTINATION: value}})
         if headers_answered:  # BUFFERED: the body's answer carries the header
