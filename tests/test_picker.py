@@ -188,6 +188,15 @@ async def test_bad_requests_get_immediate_openai_errors(headers, body, status) -
         assert in_flight(gw) == 0
 
 
+async def test_a_stream_that_starts_without_headers_is_refused_not_crashed() -> None:
+    async with picker(replicas=1) as (gw, _, channel):
+        exchange = Exchange(ext_proc_grpc.ExternalProcessorStub(channel))
+        [answer] = await exchange.send(body_messages(chat("orphan"))[0], answers=1)
+        assert answer.immediate_response.status.code == 400
+        await exchange.end()
+        assert in_flight(gw) == 0
+
+
 async def test_a_shed_request_gets_429_and_a_cancelled_stream_gives_its_seat_back() -> None:
     settings = {"saturation": {"in_flight": 1}, "admission": {"max_wait": {"batch": 0.2}}}
     async with picker(replicas=1, **settings) as (gw, _, channel):

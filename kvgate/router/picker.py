@@ -81,6 +81,8 @@ class PickerStream:
         kind = message.WhichOneof("request")
         if kind == "request_headers":
             return await self._request_headers(message)
+        if self._request is None:
+            return [self._refusal(GatewayError(400, f"ext_proc stream sent {kind} before the request headers"))]
         if kind == "request_body":
             return await self._request_body(message)
         if kind == "request_trailers":
@@ -123,7 +125,8 @@ class PickerStream:
         return [ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse())]
 
     async def _request_body(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
-        request = self._require_request()
+        request = self._request
+        assert request is not None
         request.body += message.request_body.body
         limit = self._gateway.config.max_body_bytes
         if len(request.body) > limit:
@@ -135,14 +138,16 @@ class PickerStream:
 
     async def _request_trailers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         answers = []
-        if self._decision is None and self._require_request().duplex:
+        assert self._request is not None
+        if self._decision is None and self._request.duplex:
             answers = await self._decide(message, headers_answered=False, body_ends=False)
         return [*answers, ext_proc.ProcessingResponse(request_trailers=ext_proc.TrailersResponse())]
 
     async def _decide(self, message: ext_proc.ProcessingRequest, headers_answered: bool,
                       body_ends: bool = True) -> list[ext_proc.ProcessingResponse]:
         """Parse, admit and pick; the answer that sends the request to the chosen endpoints, or a refusal."""
-        request = self._require_request()
+        request = self._request
+        assert request is not None
         gateway = self._gateway
         try:
             key = None if gateway.keys is None else require_key(
@@ -227,11 +232,6 @@ class PickerStream:
         return ext_proc.ProcessingResponse(immediate_response=ext_proc.ImmediateResponse(
             status=HttpStatus(code=error.status), headers=mutation,
             body=error_body(error.status, error.message, error.param), details=f"kvgate_{error.status}"))
-
-    def _require_request(self) -> _Request:
-        if self._request is None:
-            raise GatewayError(400, "ext_proc stream sent a body before the headers")
-        return self._request
 
 
 def _subset(filter_metadata: Mapping[str, Struct]) -> frozenset[str] | None:
