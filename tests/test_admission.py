@@ -62,6 +62,18 @@ def test_priority_class_comes_from_headers(headers, expected) -> None:
     assert classify(headers, config) == expected
 
 
+@pytest.mark.parametrize(("objective", "expected"), [
+    ("chat", "critical"), ("code", "interactive"), ("default", "interactive"), ("eval", "batch"),
+    ("nightly", "batch"), ("100", "critical"), ("-5", "batch"),
+])
+def test_pool_objectives_map_to_classes_by_priority_band(objective, expected) -> None:
+    config = PriorityConfig(classes=("critical", "interactive", "batch"), default="interactive",
+                            bands={"critical": 10, "interactive": 0}, objectives={"nightly": "batch"})
+    pool_objectives = {"chat": 10, "code": 5, "default": 0, "eval": -1, "nightly": 50}
+    headers = {"x-gateway-inference-objective": objective}
+    assert classify(headers, config, objectives=pool_objectives) == expected
+
+
 @pytest.mark.parametrize(("headers", "header"), [
     ({"x-priority": "urgent"}, "x-priority"),
     ({"x-gateway-inference-objective": "who-knows"}, "x-gateway-inference-objective"),
@@ -92,6 +104,40 @@ async def test_saturated_fleet_dispatches_interactive_before_earlier_batch() -> 
         await asyncio.sleep(0)
     await asyncio.gather(*tasks)
     assert order == [2, 4, 0, 1, 3]
+
+
+def flow_info(flow: str, n: int) -> RequestInfo:
+    return RequestInfo(model="m", priority_class="interactive", block_hashes=(n,), body_bytes=100, flow=flow)
+
+
+async def test_flows_of_one_class_take_turns_so_a_flood_does_not_starve_another_tenant() -> None:
+    room = Room(0)
+    queue = queue_with(room)
+    order: list[int] = []
+    requests = [flow_info("flood", i) for i in range(6)] + [flow_info("quiet", 10), flow_info("quiet", 11)]
+    tasks = await admit_all(queue, requests, order)
+    room.free = 1
+    for _ in range(8):
+        queue.release("m")
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert order == [0, 6, 1, 7, 2, 3, 4, 5]  # the quiet tenant's requests go second and fourth, not last
+
+
+async def test_a_full_class_sheds_the_flooding_flow_rather_than_a_newcomer() -> None:
+    queue = queue_with(Room(0), class_max_requests={"interactive": 4})
+    tasks = await admit_all(queue, [flow_info("flood", i) for i in range(4)], [])
+    newcomer = asyncio.create_task(queue.admit(flow_info("quiet", 10)))
+    await wait_until(lambda: any(task.done() for task in tasks))
+    assert [task.done() for task in tasks] == [False, False, False, True]  # the flood's newest made room
+    assert isinstance(tasks[3].exception(), GatewayError) and tasks[3].exception().status == 429
+    assert not newcomer.done() and queue.describe()["waiting"] == 4
+    with pytest.raises(GatewayError) as shed:
+        await queue.admit(flow_info("flood", 5))  # still the largest flow: its own newcomer is shed
+    assert shed.value.status == 429
+    for task in [*tasks, newcomer]:
+        task.cancel()
+    await asyncio.gather(*tasks, newcomer, return_exceptions=True)
 
 
 async def test_batch_gets_its_minimum_share_while_interactive_keeps_waiting() -> None:

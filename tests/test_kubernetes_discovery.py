@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -14,34 +13,10 @@ from kvgate.endpoints.k8s_slices import SliceReader
 from kvgate.endpoints.kubernetes import EndpointSliceWatcher
 from kvgate.endpoints.model import Endpoint
 from kvgate.endpoints.multi_discovery import MultiDiscovery
+from tests.harness import Reports, running
 from tests.k8s_api import K8sTestApi, make_slice
 
 READ_TIMEOUT_S = 1.0
-
-
-class Reports:
-    """Records every on_change call; lets a test wait, with a deadline, for a condition on the latest one."""
-
-    def __init__(self) -> None:
-        self.history: list[list[Endpoint]] = []
-        self._changed = asyncio.Event()
-
-    def __call__(self, endpoints: Sequence[Endpoint]) -> None:
-        self.history.append(list(endpoints))
-        self._changed.set()
-
-    @property
-    def latest(self) -> dict[str, Endpoint]:
-        return {e.key: e for e in self.history[-1]} if self.history else {}
-
-    async def wait_for(self, condition: Callable[[dict[str, Endpoint]], bool], timeout: float = 3.0) -> float:
-        """Seconds until `condition(latest)` held; fails the test after `timeout`."""
-        start = time.monotonic()
-        async with asyncio.timeout(timeout):
-            while not condition(self.latest):
-                self._changed.clear()
-                await self._changed.wait()
-        return time.monotonic() - start
 
 
 async def eventually(condition: Callable[[], bool], timeout: float = 3.0) -> None:
@@ -55,17 +30,6 @@ def watcher(service: str = "llm", **overrides) -> EndpointSliceWatcher:
     settings = dict(port_name="http", read_timeout_s=READ_TIMEOUT_S, watch_timeout_s=30,
                     backoff_base_s=0.05, backoff_max_s=0.2)
     return EndpointSliceWatcher("default", service, **{**settings, **overrides})
-
-
-@contextlib.asynccontextmanager
-async def running(discovery, reports: Reports) -> AsyncIterator[None]:
-    task = asyncio.create_task(discovery.run(reports))
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 @contextlib.asynccontextmanager

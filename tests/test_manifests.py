@@ -21,13 +21,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvgate.router.cli import build_parser, cli_settings
 from kvgate.router.config import from_sources
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 SCHEMAS = REPO.parent / "shared" / "schemas"  # Gateway API CRDs, beside the repository
 KUBERNETES_VERSION = "1.33"
-OVERLAYS = ("overlays/dev", "overlays/production")
+OVERLAYS = ("overlays/dev", "overlays/production", "overlays/picker")
 KUSTOMIZATIONS = tuple(sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.rglob("kustomization.yaml")))
 # The paths kvgate serves on `listen` and, when `admin_listen` is set, on the admin listener (router/server.py).
 KVGATE_PUBLIC_PATHS = frozenset({
@@ -35,7 +36,14 @@ KVGATE_PUBLIC_PATHS = frozenset({
 })
 KVGATE_ADMIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/debug/fleet"})
 GATEWAY = "kvgate"  # Deployment and container name of the gateway
-CRD_GROUPS = ("gateway.networking.k8s.io/",)  # validated against shared/schemas, not kubernetes-validate
+# validated against shared/schemas, not kubernetes-validate
+CRD_GROUPS = ("gateway.networking.k8s.io/", "inference.networking.k8s.io/", "inference.networking.x-k8s.io/")
+POOL_READS = [{"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"],
+               "verbs": ["get", "list", "watch"]},
+              {"apiGroups": ["inference.networking.x-k8s.io"], "resources": ["inferenceobjectives"],
+               "verbs": ["get", "list", "watch"]},
+              {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+SLICE_READS = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
 SUPPORTED_FIELDS = frozenset({
     "apiVersion", "kind", "namespace", "resources", "configMapGenerator", "patches", "replicas", "images",
 })
@@ -313,9 +321,10 @@ def test_selectors_select_their_pods(built: list[dict[str, Any]]) -> None:
     selectors = [s["spec"]["selector"] for s in of_kind(built, "Service")]
     selectors += [p["spec"]["selector"]["matchLabels"] for p in of_kind(built, "PodDisruptionBudget")]
     selectors += [n["spec"]["podSelector"]["matchLabels"] for n in of_kind(built, "NetworkPolicy")]
+    selectors += [p["spec"]["selector"]["matchLabels"] for p in of_kind(built, "InferencePool")]
     for selector in selectors:
         assert [name for name, labels in pods.items() if matches(selector, labels)], selector
-    assert len(selectors) == 5
+    assert len(selectors) == 5 + 2 * len(of_kind(built, "InferencePool"))  # a pool and its picker Service
 
 
 def test_workload_labels_follow_one_scheme(built: list[dict[str, Any]]) -> None:
@@ -376,10 +385,9 @@ def test_grace_period_outlasts_prestop_and_drain(built: list[dict[str, Any]]) ->
     assert pod_spec(vllm)["terminationGracePeriodSeconds"] > prestop_sleep(server) + shutdown
 
 
-def test_role_grants_only_endpointslice_reads_to_the_gateway(built: list[dict[str, Any]]) -> None:
+def test_role_grants_only_the_reads_its_discovery_needs_to_the_gateway(built: list[dict[str, Any]]) -> None:
     (role,) = of_kind(built, "Role")
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == (POOL_READS if kvgate_setting(built, "discovery") == "inferencepool" else SLICE_READS)
     assert not of_kind(built, "ClusterRole") and not of_kind(built, "ClusterRoleBinding")
     (binding,) = of_kind(built, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
@@ -391,22 +399,58 @@ def test_role_grants_only_endpointslice_reads_to_the_gateway(built: list[dict[st
     assert pod_spec(find_obj(built, "Deployment", "vllm"))["automountServiceAccountToken"] is False
 
 
-def test_httproute_sends_to_the_gateway_service_without_timeouts(built: list[dict[str, Any]]) -> None:
+def test_httproute_sends_to_the_gateway_service_or_the_pool_without_timeouts(built: list[dict[str, Any]]) -> None:
     (route,) = of_kind(built, "HTTPRoute")
-    service = find_obj(built, "Service", GATEWAY)
     (rule,) = route["spec"]["rules"]
-    assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [
-        (service["metadata"]["name"], service["spec"]["ports"][0]["port"])]
+    pools = of_kind(built, "InferencePool")
+    if pools:
+        assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                        "name": pools[0]["metadata"]["name"]}]
+    else:
+        service = find_obj(built, "Service", GATEWAY)
+        assert [(b["name"], b["port"]) for b in rule["backendRefs"]] == [
+            (service["metadata"]["name"], service["spec"]["ports"][0]["port"])]
+        target = service["spec"]["ports"][0]["targetPort"]
+        assert target in {p["name"] for p in container(find_obj(built, "Deployment", GATEWAY), GATEWAY)["ports"]}
     assert rule["timeouts"] == {"request": "0s", "backendRequest": "0s"}
-    target = service["spec"]["ports"][0]["targetPort"]
-    assert target in {p["name"] for p in container(find_obj(built, "Deployment", GATEWAY), GATEWAY)["ports"]}
 
 
-def test_gateway_discovers_the_vllm_service(built: list[dict[str, Any]]) -> None:
+def test_inference_pool_is_picked_by_kvgate_and_offers_the_vllm_port(tmp_path: Path) -> None:
+    built = objects("overlays/picker")
+    (pool,) = of_kind(built, "InferencePool")
+    deployment = find_obj(built, "Deployment", GATEWAY)
+    args = container(deployment, GATEWAY)["args"]
+    config_file = tmp_path / "config.yaml"
+    config_file.write_text(mounted_file(built, deployment, cli_value(args, "--config")))
+    settings = cli_settings(build_parser().parse_args([*args[:2], str(config_file), *args[3:]]))
+    config = from_sources(settings, {"KVGATE_NAMESPACE": "kvgate"})  # what kvgate serve makes of the pod's args
+    assert (config.discovery, config.pool, config.picker_address) == ("inferencepool", "vllm", ("0.0.0.0", 9002))
+    assert kvgate_setting(built, "discovery") == "inferencepool"
+    assert kvgate_setting(built, "pool") == pool["metadata"]["name"]
+    vllm = find_obj(built, "Deployment", "vllm")
+    assert matches(pool["spec"]["selector"]["matchLabels"], vllm["spec"]["template"]["metadata"]["labels"])
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [
+        p["containerPort"] for p in container(vllm, "vllm")["ports"] if p["name"] == "http"]
+    picker_ref = pool["spec"]["endpointPickerRef"]
+    service = find_obj(built, "Service", picker_ref["name"])
+    (port,) = [p for p in service["spec"]["ports"] if p["port"] == picker_ref["port"]["number"]]
+    gateway = container(find_obj(built, "Deployment", GATEWAY), GATEWAY)
+    container_ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert container_ports[port["targetPort"]] == port_of(kvgate_setting(built, "picker_listen"))
+    assert port["appProtocol"] == "kubernetes.io/h2c" and picker_ref["failureMode"] == "FailClose"
+    objectives = of_kind(built, "InferenceObjective")
+    assert objectives and {o["spec"]["poolRef"]["name"] for o in objectives} == {pool["metadata"]["name"]}
+    (policy,) = of_kind(built, "NetworkPolicy")
+    assert {"port": "picker", "protocol": "TCP"} in policy["spec"]["ingress"][0]["ports"]
+
+
+def test_gateway_discovers_the_vllm_service_or_pool_of_its_namespace(built: list[dict[str, Any]]) -> None:
+    assert kvgate_setting(built, "namespace") == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    if kvgate_setting(built, "discovery") == "inferencepool":
+        return  # the pool: test_inference_pool_is_picked_by_kvgate_and_offers_the_vllm_port
     assert kvgate_setting(built, "discovery") == "kubernetes"
     service = find_obj(built, "Service", kvgate_setting(built, "service"))
     assert kvgate_setting(built, "port_name") in {p["name"] for p in service["spec"]["ports"]}
-    assert kvgate_setting(built, "namespace") == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     assert service["metadata"]["namespace"] == find_obj(built, "Deployment", GATEWAY)["metadata"]["namespace"]
     server_ports = {p["name"] for p in container(find_obj(built, "Deployment", "vllm"), "vllm")["ports"]}
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= server_ports

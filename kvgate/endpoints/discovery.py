@@ -25,6 +25,19 @@ class DiscoveryStatus:
     detail: str = ""
 
 
+def combined_status(statuses: list[DiscoveryStatus]) -> DiscoveryStatus:
+    """Several sources' statuses as one: all healthy, all synced, counters summed, newest event."""
+    event_times = [s.last_event_at for s in statuses if s.last_event_at is not None]
+    return DiscoveryStatus(
+        healthy=all(s.healthy for s in statuses),
+        synced=all(s.synced for s in statuses),
+        restarts=sum(s.restarts for s in statuses),
+        relists=sum(s.relists for s in statuses),
+        last_event_at=max(event_times, default=None),
+        detail="; ".join(s.detail for s in statuses if s.detail),
+    )
+
+
 class Discovery(Protocol):
     """Reports the complete current endpoint set through a callback whenever it changes."""
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvgate.endpoints.k8s_watch import ObjectError, object_name
 from kvgate.endpoints.model import Endpoint
 
 log = logging.getLogger(__name__)
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 
-class SliceError(ValueError):
+class SliceError(ObjectError):
     """An EndpointSlice, or one endpoint in it, cannot be used; the message says why."""
 
 
@@ -33,7 +34,7 @@ class SliceReader:
 
     def read(self, obj: Mapping[str, Any]) -> tuple[Endpoint, ...]:
         """The usable endpoints of `obj`; an unusable slice yields none."""
-        name = slice_name(obj)
+        name = object_name(obj)
         try:
             port = self._choose_port(obj.get("ports"))
         except SliceError as exc:
@@ -79,15 +80,6 @@ class SliceReader:
             accepting=_accepting(raw.get("conditions")),
             pool=self.pool,
         )
-
-
-def slice_name(obj: Any) -> str:
-    """metadata.name of a slice; SliceError when there is none."""
-    meta = obj.get("metadata") if isinstance(obj, dict) else None
-    name = meta.get("name") if isinstance(meta, dict) else None
-    if not isinstance(name, str) or not name:
-        raise SliceError("object has no metadata.name")
-    return name
 
 
 def merge_endpoints(slices: Iterable[tuple[Endpoint, ...]]) -> list[Endpoint]:

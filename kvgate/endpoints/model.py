@@ -5,7 +5,9 @@ This module is pure data (no I/O) so that `policies/` can depend on it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,6 +18,11 @@ class Endpoint:
     url: str  # base URL without a trailing slash, e.g. "http://10.0.0.7:8000"
     accepting: bool = True  # may take new requests (EndpointSlice `ready`)
     pool: str = "default"
+
+    @property
+    def address(self) -> str:
+        """`host:port` of the URL, as the Inference Extension's endpoint picker protocol names endpoints."""
+        return urlsplit(self.url).netloc
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +129,10 @@ class FleetSnapshot:
             serving = tuple(s for s in self.endpoints if s.endpoint.accepting and s.serves(model))
             found = self._candidates[model] = tuple(s for s in serving if s.healthy) or serving
         return found
+
+    def restricted(self, keep: Callable[[EndpointState], bool]) -> FleetSnapshot:
+        """The same instant with only the endpoints `keep` accepts."""
+        return FleetSnapshot(endpoints=tuple(s for s in self.endpoints if keep(s)), now=self.now)
 
     def known_models(self) -> frozenset[str]:
         """Union of the models every endpoint reports."""

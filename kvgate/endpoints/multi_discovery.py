@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
-from kvgate.endpoints.discovery import Discovery, DiscoveryStatus, EndpointsCallback
+from kvgate.endpoints.discovery import Discovery, DiscoveryStatus, EndpointsCallback, combined_status
 from kvgate.endpoints.k8s_slices import merge_endpoints
 from kvgate.endpoints.model import Endpoint
 
@@ -23,16 +23,7 @@ class MultiDiscovery:
     @property
     def status(self) -> DiscoveryStatus:
         """The sources' statuses combined: all healthy, all synced, counters summed, newest event."""
-        statuses = [source.status for source in self.sources]
-        event_times = [s.last_event_at for s in statuses if s.last_event_at is not None]
-        return DiscoveryStatus(
-            healthy=all(s.healthy for s in statuses),
-            synced=all(s.synced for s in statuses),
-            restarts=sum(s.restarts for s in statuses),
-            relists=sum(s.relists for s in statuses),
-            last_event_at=max(event_times, default=None),
-            detail="; ".join(s.detail for s in statuses if s.detail),
-        )
+        return combined_status([source.status for source in self.sources])
 
     async def run(self, on_change: EndpointsCallback) -> None:
         """Run every source; report the union whenever any source's report changes it."""

@@ -30,7 +30,7 @@ import orjson
 from xxhash import xxh3_64_digest, xxh3_64_intdigest
 
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.types import RequestInfo
+from kvgate.policies.types import DEFAULT_FLOW, RequestInfo
 
 
 
@@ -73,6 +73,7 @@ def build_request_info(
     priority_class: str,
     config: RoutingConfig,
     body_bytes: int = 0,
+    flow: str = DEFAULT_FLOW,
 ) -> RequestInfo:
     """Everything routing needs from a parsed body whose `model` the router has checked is a string."""
     model = body["model"]
@@ -85,6 +86,7 @@ def build_request_info(
         prompt_chars=prompt.size,
         stream=body.get("stream") is True,
         body_bytes=body_bytes,
+        flow=flow,
     )
 
 

@@ -7,9 +7,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvgate.endpoints.model import EndpointState
+from kvgate.policies.types import DEFAULT_FLOW
 
 PRIORITY_HEADER = "x-priority"
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
+_MAX_FLOW_CHARS = 128
 
 
 class PriorityError(ValueError):
@@ -22,18 +25,31 @@ class PriorityError(ValueError):
 
 @dataclass(frozen=True)
 class PriorityConfig:
-    """Classes from most to least important, the default, and objective names mapped to classes."""
+    """Classes from most to least important, the default, objective names mapped to classes, priority bands."""
 
     classes: tuple[str, ...] = ("interactive", "batch")
     default: str = "interactive"
     objectives: Mapping[str, str] = field(default_factory=dict)  # objective name -> class
+    bands: Mapping[str, int] = field(default_factory=dict)  # class -> lowest InferenceObjective priority it takes
 
 
-def classify(headers: Mapping[str, str], config: PriorityConfig, fallback: str | None = None) -> str:
+def class_of_priority(priority: int, config: PriorityConfig) -> str:
+    """The class of an Inference Extension priority (higher is more important, negative is sheddable).
+
+    With `bands`, the first class (most important first) whose lowest priority it reaches, else the last class;
+    without, 0 and above are the first class and negative priorities the last.
+    """
+    bands = config.bands or {config.classes[0]: 0}
+    return next((name for name in config.classes if name in bands and priority >= bands[name]), config.classes[-1])
+
+
+def classify(headers: Mapping[str, str], config: PriorityConfig, fallback: str | None = None,
+             objectives: Mapping[str, int] | None = None) -> str:
     """The request's class: x-priority, else x-gateway-inference-objective, else `fallback` or the default.
 
-    An objective given as an integer follows the Inference Extension's convention: negative priorities are
-    sheddable (the least important class), others the most important one.
+    An objective is looked up in `config.objectives` (name -> class), then in `objectives` (the pool's
+    InferenceObjectives, name -> priority), else read as an integer priority; priorities map to classes by
+    class_of_priority.
     """
     value = headers.get(PRIORITY_HEADER)
     if value is not None:
@@ -47,12 +63,19 @@ def classify(headers: Mapping[str, str], config: PriorityConfig, fallback: str |
         name = objective.strip()
         if name in config.objectives:
             return config.objectives[name]
+        if objectives and name in objectives:
+            return class_of_priority(objectives[name], config)
         try:
-            return config.classes[-1] if int(name) < 0 else config.classes[0]
+            return class_of_priority(int(name), config)
         except ValueError:
             raise PriorityError(OBJECTIVE_HEADER, f"header {OBJECTIVE_HEADER} names an unknown objective "
                                                   f"{objective[:64]!r}") from None
     return fallback or config.default
+
+
+def fairness_id(headers: Mapping[str, str]) -> str:
+    """The request's flow within its class: x-gateway-inference-fairness-id (cut to 128 characters), else the default."""
+    return headers.get(FAIRNESS_HEADER, "").strip()[:_MAX_FLOW_CHARS] or DEFAULT_FLOW
 
 
 @dataclass(frozen=True)

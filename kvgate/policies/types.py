@@ -8,6 +8,9 @@ from typing import Protocol
 from kvgate.endpoints.model import EndpointState, FleetSnapshot
 
 
+DEFAULT_FLOW = "default-flow"  # the Inference Extension's fairness id when a request names none
+
+
 @dataclass(frozen=True, slots=True)
 class RequestInfo:
     """Everything routing needs from one request, computed once when its body is parsed."""
@@ -19,6 +22,7 @@ class RequestInfo:
     prompt_chars: int = 0
     stream: bool = False
     body_bytes: int = 0
+    flow: str = DEFAULT_FLOW  # the Inference Extension's fairness id: flows of one class share the fleet
 
 
 @dataclass(frozen=True, slots=True)

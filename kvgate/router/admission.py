@@ -1,6 +1,7 @@
 """The admission queue: while a model's replicas are saturated, requests wait here by priority class.
 
-Strict priority between classes, FIFO within one. The queue releases requests as the fleet drains: when a
+Strict priority between classes; within one, FIFO per flow (`x-gateway-inference-fairness-id`) and the flows
+served in turn, so one tenant's flood waits behind itself. The queue releases requests as the fleet drains: when a
 request finishes and after every metrics scrape it recomputes how many more requests the replicas take before
 they are saturated (kvgate.policies.priorities.fleet_headroom, which counts what was sent and finished since each
 scrape), less those already released but not yet sent. While a more important class has traffic, a class with
@@ -18,13 +19,14 @@ import asyncio
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvgate.policies.priorities import PriorityConfig
 from kvgate.policies.types import RequestInfo
 from kvgate.router.errors import GatewayError
+from kvgate.router.fair_queue import FairQueue
 from kvgate.router.metrics import GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
 
@@ -56,6 +58,10 @@ class _Waiter:
     preemptible: bool = False
 
 
+def _flow(waiter: _Waiter) -> str:
+    return waiter.info.flow
+
+
 def _dispatched(waiter: _Waiter) -> bool:
     return waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None
 
@@ -72,7 +78,7 @@ class AdmissionQueue:
         self._metrics = metrics
         self._preemption = preemption
         self._clock = clock
-        self._queues: dict[str, list[deque[_Waiter]]] = {}  # model -> one FIFO per class
+        self._queues: dict[str, list[FairQueue[_Waiter]]] = {}  # model -> one queue per class
         self._pending: Counter[str] = Counter()  # model -> released from the queue, not yet sent to a replica
         self._since_low: dict[str, int] = {}  # model -> dispatches from a higher class while a lower one waited
         self._last_seen: dict[str, list[float]] = {}  # model -> when a request of each class last arrived
@@ -182,7 +188,7 @@ class AdmissionQueue:
     def _enqueue(self, model: str, waiter: _Waiter, requeued: bool) -> None:
         if not requeued:
             self._make_room(model, waiter)  # may empty and drop this model's queues: fetch them after it
-        queues = self._queues.setdefault(model, [deque() for _ in self._classes])
+        queues = self._queues.setdefault(model, [FairQueue(_flow) for _ in self._classes])
         if requeued:
             queues[waiter.rank].appendleft(waiter)
         else:
@@ -192,24 +198,35 @@ class AdmissionQueue:
         self._metrics.queue_depth.labels(waiter.info.priority_class).inc()
 
     def _make_room(self, model: str, waiter: _Waiter) -> None:
-        """Shed what must go for `waiter` to fit the bounds: less important requests first, else `waiter`."""
+        """Shed what must go for `waiter` to fit the bounds: less important requests first, else `waiter`.
+
+        A full class sheds the newest request of its largest flow, `waiter` itself when its own flow is that large.
+        """
         name, size = waiter.info.priority_class, waiter.info.body_bytes
         queues = self._queues.get(model)
         if queues and len(queues[waiter.rank]) >= self._config.class_max_requests.get(name, math.inf):
-            self._shed(name, "queue_full")
-        while self._count + 1 > self._config.max_requests or self._bytes + size > self._config.max_bytes:
-            victim = self._newest_less_important(waiter.rank)
-            if victim is None:
+            queue = queues[waiter.rank]
+            victim = queue.largest_flow_newest()
+            if victim is None or queue.flow_size(victim.info.flow) <= queue.flow_size(waiter.info.flow) + 1:
                 self._shed(name, "queue_full")
-            victim_model, victim_waiter = victim
-            self._remove(victim_model, victim_waiter)
-            self._metrics.shed.labels(victim_waiter.info.priority_class, "displaced").inc()
-            victim_waiter.future.set_exception(self._shed_error(victim_waiter.info.priority_class))
+            self._displace(model, victim)
+        while self._count + 1 > self._config.max_requests or self._bytes + size > self._config.max_bytes:
+            found = self._newest_less_important(waiter.rank)
+            if found is None:
+                self._shed(name, "queue_full")
+            self._displace(*found)
+
+    def _displace(self, model: str, victim: _Waiter) -> None:
+        """Shed a queued request to make room for another."""
+        self._remove(model, victim)
+        self._metrics.shed.labels(victim.info.priority_class, "displaced").inc()
+        victim.future.set_exception(self._shed_error(victim.info.priority_class))
 
     def _newest_less_important(self, rank: int) -> tuple[str, _Waiter] | None:
-        """The most recently queued request of the least important class below `rank`, in any model."""
+        """The newest request of the largest flow of the least important class below `rank`, in any model."""
         for lower in range(len(self._classes) - 1, rank, -1):
-            newest = max(((model, queues[lower][-1]) for model, queues in self._queues.items() if queues[lower]),
+            candidates = ((model, queues[lower].largest_flow_newest()) for model, queues in self._queues.items())
+            newest = max(((model, waiter) for model, waiter in candidates if waiter is not None),
                          key=lambda item: item[1].enqueued, default=None)
             if newest is not None:
                 return newest
@@ -244,7 +261,7 @@ class AdmissionQueue:
             self._pending[model] += 1
             waiter.future.set_result(None)
 
-    def _next_rank(self, model: str, queues: list[deque[_Waiter]]) -> int | None:
+    def _next_rank(self, model: str, queues: list[FairQueue[_Waiter]]) -> int | None:
         """The class to dispatch from next, None while there is no room.
 
         The most important waiting class, except every 1/min_share-th dispatch while a lower one waits:
@@ -254,7 +271,7 @@ class AdmissionQueue:
         """
         ranks = [rank for rank, queue in enumerate(queues) if queue]
         top = ranks[0]
-        if not self._has_room(model, top, queues[top][0].preemptible):
+        if not self._has_room(model, top, queues[top].peek().preemptible):
             return None
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0
@@ -262,7 +279,7 @@ class AdmissionQueue:
         self._since_low[model] = self._since_low.get(model, 0) + 1
         if self._since_low[model] >= 1 / self._config.min_share:
             self._since_low[model] = 0
-            return min(ranks[1:], key=lambda rank: queues[rank][0].enqueued)
+            return min(ranks[1:], key=lambda rank: queues[rank].peek().enqueued)
         return top
 
     def _shed_error(self, priority_class: str) -> GatewayError:

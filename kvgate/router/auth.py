@@ -251,16 +251,24 @@ def auth_middleware(store: ApiKeyStore,
     async def require_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if _is_open(request):
             return await handler(request)
-        authorization = request.headers.get(hdrs.AUTHORIZATION)
-        key = store.authenticate(authorization)
-        if key is None:
-            reason = "missing" if authorization is None else "invalid"
-            log.info("auth rejected path=%s reason=%s peer=%s", request.path, reason, request.remote)
-            failures.labels(reason).inc()
-            message = ("an API key is required: send it as 'Authorization: Bearer <key>'" if authorization is None
-                       else "invalid API key")
-            return error_response(GatewayError(401, message, headers={"WWW-Authenticate": 'Bearer realm="kvgate"'}))
-        request[KEY_INFO] = key
+        try:
+            request[KEY_INFO] = require_key(store, request.headers.get(hdrs.AUTHORIZATION), failures,
+                                            f"path={request.path} peer={request.remote}")
+        except GatewayError as error:
+            return error_response(error)
         return await handler(request)
 
     return require_api_key
+
+
+def require_key(store: ApiKeyStore, authorization: str | None, failures: Counter, where: str) -> KeyInfo:
+    """The key an Authorization header value presents; else GatewayError(401), logged with `where` and counted."""
+    key = store.authenticate(authorization)
+    if key is not None:
+        return key
+    reason = "missing" if authorization is None else "invalid"
+    log.info("auth rejected %s reason=%s", where, reason)
+    failures.labels(reason).inc()
+    message = ("an API key is required: send it as 'Authorization: Bearer <key>'" if authorization is None
+               else "invalid API key")
+    raise GatewayError(401, message, headers={"WWW-Authenticate": 'Bearer realm="kvgate"'})

@@ -30,10 +30,13 @@ class GatewayConfig:
 
     listen: str = "0.0.0.0:8080"
     admin_listen: str | None = None  # serve /metrics and /debug/* here instead of on `listen`
-    discovery: str = "static"  # static | kubernetes
+    picker_listen: str | None = None  # serve Envoy's ext_proc endpoint picker (gRPC) here too
+    picker_fallbacks: int = 0  # endpoints after the chosen one in x-gateway-destination-endpoint
+    discovery: str = "static"  # static | kubernetes | inferencepool
     endpoints: tuple[str, ...] = ()
     namespace: str = "default"
     service: tuple[str, ...] = ()
+    pool: str | None = None  # InferencePool name for discovery inferencepool
     port_name: str | None = None
     port: int | None = None
     policy: str = "cache-aware"
@@ -69,6 +72,11 @@ class GatewayConfig:
     def admin_address(self) -> tuple[str, int] | None:
         """`admin_listen` split into host and port, if set."""
         return split_host_port(self.admin_listen, "admin_listen") if self.admin_listen else None
+
+    @property
+    def picker_address(self) -> tuple[str, int] | None:
+        """`picker_listen` split into host and port, if set."""
+        return split_host_port(self.picker_listen, "picker_listen") if self.picker_listen else None
 
 
 def split_host_port(value: str, name: str) -> tuple[str, int]:
@@ -198,8 +206,9 @@ def validate(config: GatewayConfig) -> None:
 
     config.listen_address
     config.admin_address
-    if config.discovery not in ("static", "kubernetes"):
-        raise ConfigError(f"discovery: expected 'static' or 'kubernetes', got {config.discovery!r}")
+    config.picker_address
+    if config.discovery not in ("static", "kubernetes", "inferencepool"):
+        raise ConfigError(f"discovery: expected 'static', 'kubernetes' or 'inferencepool', got {config.discovery!r}")
     if config.discovery == "static" and not config.endpoints:
         raise ConfigError("endpoints: static discovery needs at least one URL (--endpoints http://host:port,...)")
     try:
@@ -208,6 +217,8 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"endpoints: {exc}") from None
     if config.discovery == "kubernetes" and not config.service:
         raise ConfigError("service: kubernetes discovery needs --service NAME")
+    if config.discovery == "inferencepool" and not config.pool:
+        raise ConfigError("pool: inferencepool discovery needs --pool NAME")
     if config.port_name and config.port:
         raise ConfigError("port_name and port: give one, not both")
     if config.port is not None and not 0 < config.port < 65536:
@@ -220,7 +231,7 @@ def validate(config: GatewayConfig) -> None:
     for name in positive:
         if getattr(config, name) <= 0:
             raise ConfigError(f"{name}: must be greater than 0, got {getattr(config, name)}")
-    for name in ("request_timeout", "drain_delay", "drain_timeout", "retries"):
+    for name in ("request_timeout", "drain_delay", "drain_timeout", "retries", "picker_fallbacks"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name}: must not be negative, got {getattr(config, name)}")
     if config.log_level.lower() not in ("debug", "info", "warning", "error"):
@@ -248,6 +259,9 @@ def _validate_priorities(config: GatewayConfig) -> None:
     for objective, name in config.priorities.objectives.items():
         if name not in classes:
             raise ConfigError(f"priorities.objectives: {objective!r} maps to unknown class {name!r}")
+    unknown_bands = [name for name in config.priorities.bands if name not in classes]
+    if unknown_bands:
+        raise ConfigError(f"priorities.bands: names unknown class(es) {', '.join(map(repr, unknown_bands))}")
     saturation = config.saturation
     if min(saturation.queue, saturation.in_flight, saturation.seats, saturation.seated_queue) < 0 \
             or not 0 < saturation.kv_cache <= 1:

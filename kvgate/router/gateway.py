@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -17,15 +18,17 @@ from kvgate.endpoints.model import EndpointState
 from kvgate.endpoints.models import ModelLister
 from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.policies import build_policy
-from kvgate.policies.priorities import fleet_headroom
-from kvgate.policies.types import Policy
+from kvgate.policies.priorities import PriorityError, classify, fleet_headroom
+from kvgate.policies.types import Decision, Policy
 from kvgate.router.admission import AdmissionQueue
 from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from kvgate.router.ratelimit import RateLimiter
 from kvgate.router.config import GatewayConfig
+from kvgate.router.errors import GatewayError
 from kvgate.router.metrics import FleetCollector, GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.proxy import Forwarder, UpstreamTimeouts
+from kvgate.router.requests import ParsedRequest
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,12 @@ def default_discovery(config: GatewayConfig) -> Discovery:
         watchers = [EndpointSliceWatcher(config.namespace, service, port_name=config.port_name, port=config.port,
                                          read_timeout_s=config.watch_read_timeout) for service in config.service]
         return watchers[0] if len(watchers) == 1 else MultiDiscovery(watchers)
+    if config.discovery == "inferencepool":
+        from kvgate.endpoints.inference_pool import InferencePoolWatcher
+        from kvgate.endpoints.k8s_watch import WatchSettings
+
+        assert config.pool is not None
+        return InferencePoolWatcher(config.namespace, config.pool, WatchSettings(config.watch_read_timeout))
     return StaticDiscovery(parse_endpoint_urls(config.endpoints))
 
 
@@ -64,6 +73,32 @@ class Gateway:
         self.models: ModelLister | None = None
         self.scraper: MetricsScraper | None = None
 
+    def priority_class(self, headers: Mapping[str, str], fallback: str | None = None) -> str:
+        """The request's priority class from its headers (and the pool's objectives); 400 naming a bad header."""
+        objectives = getattr(self.discovery, "objectives", None)  # only InferencePool discovery has them
+        try:
+            return classify(headers, self.config.priorities, fallback, objectives)
+        except PriorityError as exc:
+            raise GatewayError(400, str(exc), param=exc.header) from None
+
+    @asynccontextmanager
+    async def admitted(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> AsyncIterator[Decision]:
+        """The request past the model check and the admission queue, with the policy's decision.
+
+        What the HTTP proxy and the endpoint picker both do before a request goes to a replica: 404 for a
+        model no replica serves, 429 when the queue sheds it, 503 when no replica (of `subset`, `host:port`
+        addresses, when given) can take it. The request's admission is released when the block exits.
+        """
+        assert self.forwarder is not None and self.admission is not None
+        model = parsed.info.model
+        if not self.serves(model) and self.models_known():
+            raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
+        await self.admission.admit(parsed.info)
+        try:
+            yield self.forwarder.choose(parsed, subset)
+        finally:
+            self.admission.release(model)
+
     def ready(self) -> tuple[bool, str]:
         """Whether the gateway should receive traffic, and why not."""
         if self.draining:
@@ -77,7 +112,7 @@ class Gateway:
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup_ctx: open sessions and start background tasks, then close them after the drain."""
         config = self.config
-        if config.discovery == "kubernetes":
+        if config.discovery in ("kubernetes", "inferencepool"):
             from kvgate.endpoints.kubernetes import load_kubernetes_config
 
             await load_kubernetes_config()

@@ -20,7 +20,8 @@ from kvgate.router.headers import request_id as make_request_id
 from kvgate.router.preemption import Preempted
 from kvgate.router.proxy import CLIENT_GONE, Outcome
 from kvgate.router.requests import ParsedRequest, parse_request, with_upstream_priority
-from kvgate.policies.priorities import PriorityError, classify
+from kvgate.policies.priorities import fairness_id
+from kvgate.policies.types import Decision
 
 log = logging.getLogger(__name__)
 
@@ -42,22 +43,19 @@ class Handlers:
         assert gateway.forwarder is not None and gateway.admission is not None
         outcome = Outcome(request_id=make_request_id(request.headers), arrived=time.monotonic())
         model = "-"
-        admitted = False
         try:
             key = request.get(KEY_INFO)
-            priority_class = self._priority_class(request, key.priority if key else None)
+            priority_class = gateway.priority_class(request.headers, key.priority if key else None)
             raw = await self._read_body(request)
-            parsed = parse_request(request.path, raw, priority_class, gateway.config.routing)
+            parsed = parse_request(request.path, raw, priority_class, gateway.config.routing,
+                                   fairness_id(request.headers))
             model = parsed.info.model
             if key is not None:
                 gateway.limiter.admit(key, estimate_tokens(parsed))
-            if not gateway.serves(model) and gateway.models_known():
-                raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
-            await gateway.admission.admit(parsed.info)
-            admitted = True
-            if gateway.config.upstream_priority:
-                parsed = with_upstream_priority(parsed, gateway.config.priorities.classes)
-            response = await self._forward(request, parsed, outcome)
+            async with gateway.admitted(parsed) as decision:
+                if gateway.config.upstream_priority:
+                    parsed = with_upstream_priority(parsed, gateway.config.priorities.classes)
+                response = await self._forward(request, parsed, decision, outcome)
         except GatewayError as error:
             outcome.status = error.status
             gateway.metrics.rejected.labels(str(error.status), error.param or "-").inc()
@@ -67,20 +65,18 @@ class Handlers:
             outcome.status = CLIENT_GONE
             raise
         finally:
-            if admitted:
-                gateway.admission.release(model)
             self._finish(request, model, outcome)
         return response
 
-    async def _forward(self, request: web.Request, parsed: ParsedRequest, outcome: Outcome) -> web.StreamResponse:
-        """Pick a replica and proxy the request; a preempted request queues again and is sent anew."""
+    async def _forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
+                       outcome: Outcome) -> web.StreamResponse:
+        """Proxy the request to `decision`; a preempted request queues again, is picked and sent anew."""
         gateway = self.gateway
         assert gateway.forwarder is not None and gateway.admission is not None
         info = parsed.info
         rank = gateway.config.priorities.classes.index(info.priority_class)
         preemptions = 0
         while True:
-            decision = gateway.forwarder.choose(parsed)
             preemptible = gateway.admission.preemptible(info, preemptions)
             try:
                 return await gateway.forwarder.forward(request, parsed, decision, outcome,
@@ -92,13 +88,7 @@ class Handlers:
                          info.priority_class, preemptions)
                 gateway.admission.release(info.model)  # its seat goes to the request that preempted it
                 await gateway.admission.admit(info, preemptions)
-
-    def _priority_class(self, request: web.Request, key_default: str | None) -> str:
-        """The request's priority class from its headers or its API key; 400 naming the header for a bad value."""
-        try:
-            return classify(request.headers, self.gateway.config.priorities, fallback=key_default)
-        except PriorityError as exc:
-            raise GatewayError(400, str(exc), param=exc.header) from None
+                decision = gateway.forwarder.choose(parsed)
 
     async def _read_body(self, request: web.Request) -> bytes:
         """The whole body, at most max_body_bytes; 413 beyond."""

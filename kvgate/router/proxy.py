@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import aiohttp
@@ -82,9 +83,11 @@ class Forwarder:
         self._dropped_headers = frozenset(dropped_headers) | _DECODED
         self._preemption = preemption
 
-    def choose(self, parsed: ParsedRequest) -> Decision:
-        """Pick a replica for the request; raises 503 when none can take it."""
+    def choose(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> Decision:
+        """Pick a replica for the request, among the `host:port` addresses of `subset` when given; 503 for none."""
         snapshot = self._fleet.snapshot()
+        if subset is not None:
+            snapshot = snapshot.restricted(lambda state: state.endpoint.address in subset)
         decision = self._policy.pick(parsed.info, snapshot)
         if decision is None:
             raise GatewayError(503, "no replica can take this request now; retry shortly",

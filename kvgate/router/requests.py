@@ -11,7 +11,7 @@ import orjson
 
 from kvgate.policies import build_request_info
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.types import RequestInfo
+from kvgate.policies.types import DEFAULT_FLOW, RequestInfo
 from kvgate.router.errors import GatewayError
 
 # Path -> request kind, and the field that must carry the prompt for that kind.
@@ -32,8 +32,9 @@ class ParsedRequest:
     info: RequestInfo
 
 
-def parse_request(path: str, raw: bytes, priority_class: str, routing: RoutingConfig) -> ParsedRequest:
-    """Parse and sanity-check a body; raises GatewayError(400) naming the offending field."""
+def parse_request(path: str, raw: bytes, priority_class: str, routing: RoutingConfig,
+                  flow: str = DEFAULT_FLOW) -> ParsedRequest:
+    """Parse and sanity-check a body of a request of `flow` (its fairness id); GatewayError(400) names a bad field."""
     kind, prompt_field = ROUTE_KINDS[path]
     try:
         body = orjson.loads(raw)
@@ -53,7 +54,7 @@ def parse_request(path: str, raw: bytes, priority_class: str, routing: RoutingCo
     stream = body.get("stream", False)
     if stream is not None and not isinstance(stream, bool):
         raise GatewayError(400, "'stream' must be a boolean", param="stream")
-    info = build_request_info(kind, body, priority_class, routing, body_bytes=len(raw))
+    info = build_request_info(kind, body, priority_class, routing, body_bytes=len(raw), flow=flow)
     return ParsedRequest(kind=kind, body=body, raw=raw, info=info)
 
 

@@ -71,6 +71,7 @@ class GatewayServer:
         self._listeners: list[asyncio.Server] = []
         self.guards: list[ConnectionGuard] = []  # each listener's open-connection count and limits, public first
         self.addresses: list[tuple[str, int]] = []  # bound (host, port) of each listener, public first
+        self.picker = None  # the endpoint picker's gRPC server (kvgate.router.picker.PickerServer) when configured
 
     async def start(self) -> None:
         """Open the listeners and start the background parts."""
@@ -92,6 +93,11 @@ class GatewayServer:
             self.guards.append(guard)
             self._listeners.append(listener)
             self.addresses.append(tuple(listener.sockets[0].getsockname()[:2]))
+        if self.config.picker_address is not None:
+            from kvgate.router.picker import PickerServer  # grpc and Envoy's API: loaded only for the picker
+
+            self.picker = PickerServer(self.gateway, *self.config.picker_address)
+            await self.picker.start()
         log.info("gateway listening addresses=%s policy=%s discovery=%s", self.addresses, self.config.policy,
                  self.config.discovery)
 
@@ -120,6 +126,8 @@ class GatewayServer:
         # Closing the listeners first, then waiting up to shutdown_timeout for running handlers.
         for listener in self._listeners:
             listener.close()
+        if self.picker is not None:
+            await self.picker.stop(self.config.drain_timeout)
         for runner in self._runners:
             await runner.cleanup()
         log.info("drained; exiting")

@@ -56,6 +56,11 @@ class ChildProcess:
         self.log_path = log_path
         self._process: asyncio.subprocess.Process | None = None
 
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id."""
+        return self._process.pid if self._process is not None and self._process.returncode is None else None
+
     async def start(self) -> None:
         """Launch the command."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,12 +124,13 @@ async def start_sim_fleet(name: str, replicas: int, options: SimOptions, log_dir
     return child, urls
 
 
-async def start_gateway(name: str, policy: str, endpoints: Sequence[str], log_dir: Path) -> tuple[ChildProcess, str]:
-    """`kvgate serve` with one policy in front of `endpoints`; returns the process and its URL once ready."""
+async def start_gateway(name: str, policy: str, endpoints: Sequence[str], log_dir: Path,
+                        extra: Sequence[str] = ()) -> tuple[ChildProcess, str]:
+    """`kvgate serve` with one policy in front of `endpoints` (and `extra` flags); the process and its URL once ready."""
     (port,) = free_ports(1)
     argv = [
         *_KVGATE, "serve", "--listen", f"{HOST}:{port}", "--endpoints", ",".join(endpoints), "--policy", policy,
-        "--drain-delay", "0", "--drain-timeout", "2", "--log-level", "warning",
+        "--drain-delay", "0", "--drain-timeout", "2", "--log-level", "warning", *extra,
     ]  # fmt: skip
     child = ChildProcess(name, argv, log_dir / f"{name}.log")
     url = base_url(port)
