@@ -35,11 +35,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
-    """Two engines, one per core: 8 seats, 48 KV blocks of 128 tokens, priority scheduling, KV events with replay."""
+    """Two engines, one per core: 4 seats, 48 KV blocks of 128 tokens, priority scheduling, KV events with replay."""
     python = vllm_python()
     assert python is not None
     ports = free_ports(6)
-    specs = [EngineSpec(port=ports[i], cpu=i, model_dir=model_dir, served_model_name=MODEL, priority_scheduling=True,
+    specs = [EngineSpec(port=ports[i], cpu=i, model_dir=model_dir, served_model_name=MODEL, max_num_seqs=4,
+                        priority_scheduling=True,
                         kv_events_port=ports[2 + i], kv_events_replay_port=ports[4 + i]) for i in range(2)]
     running = start_engines(specs, tmp_path_factory.mktemp("engines"), python)
     yield running

@@ -95,22 +95,33 @@ async def read_stream(session: aiohttp.ClientSession, url: str, body: dict) -> t
 
 def streamed_text(body: bytes) -> str:
     """The concatenated content of a chat completion stream's events."""
-    events = [orjson.loads(line[6:]) for line in body.split(b"\n\n") if line.startswith(b"data: {")]
-    return "".join(choice["delta"].get("content") or "" for event in events for choice in event["choices"])
+    return "".join(choice["delta"].get("content") or "" for event in stream_events(body) for choice in event["choices"])
 
 
-async def test_stream_chunks_arrive_as_the_engine_makes_them_and_end_with_done(fresh_engines):
-    body = chat(1, ["Tell me a long story."], max_tokens=160, stream=True, ignore_eos=True, temperature=0)
-    async with running_gateway(endpoints=[fresh_engines[0].url]) as gw, aiohttp.ClientSession() as session:
-        _, direct = await read_stream(session, fresh_engines[0].url, body)
-        arrivals, relayed = await read_stream(session, gw.url, body)
+def stream_events(body: bytes) -> list[dict]:
+    """The JSON events of an SSE body, [DONE] left out."""
+    return [orjson.loads(line[6:]) for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+
+
+async def test_stream_keeps_the_engines_chunking_and_every_token_and_ends_with_done(fresh_engines):
+    """The same long stream read straight from the engine and through kvgate, at the same time.
+
+    vLLM's API server coalesces events when it lags behind its engine (on this shared CPU, at times the whole
+    answer): so kvgate is held to the engine's own chunking, not to a count of reads.
+    """
+    engine = fresh_engines[0]
+
+    def body(n: int) -> dict:
+        return chat(1, [f"Tell me long story {n}."], max_tokens=1000, stream=True, ignore_eos=True,
+                    stream_options={"include_usage": True})
+
+    async with running_gateway(endpoints=[engine.url]) as gw, aiohttp.ClientSession() as session:
+        (direct_reads, direct), (relayed_reads, relayed) = await asyncio.gather(
+            read_stream(session, engine.url, body(1)), read_stream(session, gw.url, body(2)))
     assert relayed.endswith(b"data: [DONE]\n\n")
-    assert streamed_text(relayed) == streamed_text(direct)  # greedy decoding: the same answer, nothing lost
-    # vLLM coalesces tokens into fewer events when its reader lags, so the count varies a little from run to run.
-    assert relayed.count(b"data: ") > 100
-    # Unbuffered: the answer arrives over many reads spread across the generation, not in one piece at its end.
-    assert len({round(t, 3) for t in arrivals}) >= 20
-    assert arrivals[0] < 0.5 * arrivals[-1]
+    assert stream_events(relayed)[-1]["usage"]["completion_tokens"] == 1000  # nothing lost on the way
+    assert len(streamed_text(relayed)) > 1000
+    assert len(relayed_reads) >= min(20, len(direct_reads)) // 2, (len(relayed_reads), len(direct_reads))
 
 
 async def test_kvgate_reads_the_engines_metrics_page_and_sizes_its_index_from_it(fresh_engines):
@@ -159,43 +170,56 @@ async def test_client_leaving_mid_stream_aborts_the_request_in_vllm(fresh_engine
         assert (await engine_samples(session, engine))["vllm:num_requests_running"] == 1
         response.close()  # the client goes away
         left = time.monotonic()
-        while (await engine_samples(session, engine))["vllm:num_requests_running"] > 0:
-            assert time.monotonic() - left < 1.0, "vLLM still runs the request a second after the client left"
-            await asyncio.sleep(0.05)
+        for _ in range(100):  # bounded: a busy engine can take a second or more to render /metrics
+            asked = time.monotonic()
+            if (await engine_samples(session, engine))["vllm:num_requests_running"] == 0:
+                break
+        # The page shows the engine after it was asked for: a 0 from a page asked for within a second proves it.
+        assert asked - left < 1.0, "vLLM still ran the request a second after the client left"
 
 
 async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engines):
-    """Eight seats full of batch, four batch queued in vLLM, then interactive: vLLM runs interactive next.
+    """Four seats full of batch, four batch queued in vLLM, then interactive: vLLM runs interactive next.
 
-    Prompts are short, so eight sequences fit the 48-block KV cache and the seats are what binds.
+    Prompts are short and answers 1,400 tokens, so four sequences fit the 48-block KV cache (6,144 tokens) and
+    the seats are what binds. Order is read from when each 8-token answer ends, which vLLM's event
+    coalescing cannot reorder.
     """
     engine = fresh_engines[0]
     async with running_gateway(endpoints=[engine.url], upstream_priority=True,
-                               saturation={"queue": 0, "kv_cache": 1.0, "seats": 1000}) as gw, aiohttp.ClientSession() as session:
-        first_token: dict[str, float] = {}
+                               saturation={"queue": 0, "kv_cache": 1.0, "seats": 1000}) as gw, \
+            aiohttp.ClientSession() as session:
+        finished: dict[str, float] = {}
 
         async def stream(name: str, priority_class: str, tokens: int) -> int:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Request {name}."}], "max_tokens": tokens,
-                    "stream": True, "ignore_eos": True}
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Request {name}."}],
+                    "max_tokens": tokens, "stream": True, "ignore_eos": True}
             async with session.post(gw.url + "/v1/chat/completions", json=body,
                                     headers={"x-priority": priority_class}) as response:
-                status = response.status
-                async for line in response.content:
-                    if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
-                        first_token.setdefault(name, time.monotonic())
-                return status
+                await response.read()
+                finished[name] = time.monotonic()
+                return response.status
 
-        running = [asyncio.create_task(stream(f"run{i}", "batch", 600)) for i in range(8)]
-        await wait_until(lambda: len(first_token) == 8, timeout=30)
+        async def engine_gauge(name: str, value: float) -> None:
+            seen = []
+            for _ in range(400):  # bounded: 20 s on an idle engine
+                samples = await engine_samples(session, engine)
+                seen.append((samples["vllm:num_requests_running"], samples["vllm:num_requests_waiting"]))
+                if samples[name] == value:
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"{name} never reached {value}: engine (running, waiting) {seen[-5:]}, "
+                                 f"kvgate queue {gw.gateway.describe()['queue']}")
+
+        running = [asyncio.create_task(stream(f"run{i}", "batch", 1400)) for i in range(4)]
+        await engine_gauge("vllm:num_requests_running", 4)
         queued = [asyncio.create_task(stream(f"queued{i}", "batch", 8)) for i in range(4)]
-        waiting = 0.0
-        while waiting < 4 and not any(task.done() for task in running):
-            waiting = (await engine_samples(session, engine))["vllm:num_requests_waiting"]
-        assert waiting == 4  # in vLLM's queue, not kvgate's
+        await engine_gauge("vllm:num_requests_waiting", 4)  # in vLLM's queue, not kvgate's
+        assert not any(task.done() for task in running)
         interactive = asyncio.create_task(stream("interactive", "interactive", 8))
         statuses = await asyncio.gather(*running, *queued, interactive)
     assert set(statuses) == {200}
-    assert first_token["interactive"] < min(first_token[f"queued{i}"] for i in range(4))
+    assert finished["interactive"] < min(finished[f"queued{i}"] for i in range(4))
 
 
 async def test_engine_sigterm_with_open_streams_fails_no_request_that_had_not_started(fresh_engines):
