@@ -85,6 +85,7 @@ def build_request_info(
         prompt_chars=prompt.size,
         stream=body.get("stream") is True,
         body_bytes=body_bytes,
+        cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) and salt else None,
     )
 
 

@@ -19,6 +19,8 @@ class RequestInfo:
     prompt_chars: int = 0
     stream: bool = False
     body_bytes: int = 0
+    cache_salt: str | None = None
+    token_ids: tuple[int, ...] | None = None  # the prompt as the engine tokenizes it, when a tokenizer is configured
 
 
 @dataclass(frozen=True, slots=True)

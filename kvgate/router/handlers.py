@@ -48,6 +48,8 @@ class Handlers:
             priority_class = self._priority_class(request, key.priority if key else None)
             raw = await self._read_body(request)
             parsed = parse_request(request.path, raw, priority_class, gateway.config.routing)
+            if gateway.tokenizer is not None:
+                parsed = await gateway.tokenizer.tokenize(parsed)
             model = parsed.info.model
             if key is not None:
                 gateway.limiter.admit(key, estimate_tokens(parsed))
