@@ -22,3 +22,11 @@ async def api(tmp_path, monkeypatch) -> AsyncIterator[K8sTestApi]:
     await load_kubernetes_config()
     yield server
     await server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The offline tiny model directory (tokenizer.json, tokenizer_config.json with a chat template), built once."""
+    from kvgate.loadtest.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))

@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # vLLM's "auto" content format: a template that loops over a message's content gets OpenAI-style parts.
-_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)\b")
+_LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content(?!\w))")
 
 
 class TokenizerError(ValueError):

@@ -85,6 +85,11 @@ class PrecisePrefixIndex:
         replica = self._replicas.get(key)
         return frozenset(replica.held) if replica else frozenset()
 
+    def engine_hashes(self, key: str) -> frozenset[BlockHash]:
+        """The engine's hashes of the blocks a replica holds (for comparing the belief with the engine)."""
+        replica = self._replicas.get(key)
+        return frozenset(replica.by_engine) if replica else frozenset()
+
     def block_size(self, key: str) -> int | None:
         """The replica's KV block size in tokens, once an event told it."""
         replica = self._replicas.get(key)

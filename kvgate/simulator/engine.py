@@ -115,13 +115,13 @@ class AsyncEngine:
         self.core.reset_prefix_cache()
         self._publish_events()
 
-    def restart(self) -> None:
-        """Lose every request and cached block and start the event sequence again, as a restarted engine."""
+    async def restart(self) -> None:
+        """Lose every request and cached block; a new publisher starts its sequence again, as a restarted engine."""
         self.abort_all()
         self.core.reset_prefix_cache()
         self.core.drain_events()  # a restarted engine says nothing about the cache it lost
         if self.publisher is not None:
-            self.publisher.restart()
+            await self.publisher.restart()
 
     def _publish_events(self) -> None:
         events = self.core.drain_events()

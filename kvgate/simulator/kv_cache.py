@@ -90,6 +90,10 @@ class PrefixCache:
         """Blocks addressable by hash, pinned or evictable."""
         return len(self._refs)
 
+    def cached_hashes(self) -> frozenset[int]:
+        """The hashes of every cached block, pinned or evictable."""
+        return frozenset(self._refs)
+
     def longest_hit(self, hashes: Sequence[int], max_blocks: int) -> int:
         """How many leading blocks of `hashes` (at most `max_blocks`) are cached."""
         if not self.enable_caching:

@@ -68,14 +68,22 @@ class KvEventPublisher:
         with contextlib.suppress(zmq.ZMQError):
             self._pub.send_multipart((self._topic, encode_seq(seq), payload), flags=zmq.NOBLOCK)
 
+    @property
+    def last_seq(self) -> int:
+        """Sequence number of the latest batch (-1 before the first)."""
+        return self._next_seq - 1
+
     def drop_next(self, count: int) -> None:
         """Lose the next `count` batches on the wire (a subscriber sees a sequence gap)."""
         self._drop = count
 
-    def restart(self) -> None:
-        """Start the sequence again from 0 with an empty buffer, as a restarted engine does."""
+    async def restart(self) -> None:
+        """Close and bind again on the same ports, with the sequence from 0 and an empty buffer: a restarted engine."""
+        await self.stop()
         self._next_seq = 0
         self._buffer.clear()
+        self._drop = 0
+        await self.start(*_host_and_port(self.endpoint), _host_and_port(self.replay_endpoint)[1])
 
     async def _serve_replays(self) -> None:
         assert self._replay is not None
@@ -90,6 +98,11 @@ class KvEventPublisher:
                 if seq >= first:
                     await self._replay.send_multipart((client, b"", encode_seq(seq), payload))
             await self._replay.send_multipart((client, b"", encode_seq(END_OF_REPLAY), b""))
+
+
+def _host_and_port(address: str) -> tuple[str, int]:
+    host, _, port = address.removeprefix("tcp://").rpartition(":")
+    return host, int(port)
 
 
 def _bind(socket: zmq.asyncio.Socket, host: str, port: int) -> str:

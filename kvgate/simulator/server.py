@@ -127,9 +127,13 @@ class SimReplica:
         await publisher.start(host, port, replay_port)
         self._engine.publisher = publisher
 
-    def restart_engine(self) -> None:
-        """Empty the cache and restart the event sequence, as an engine restart does."""
-        self._engine.restart()
+    def cached_block_hashes(self) -> frozenset[int]:
+        """The hashes of the blocks the replica's prefix cache holds (what its KV events describe)."""
+        return self._engine.core.cache.cached_hashes()
+
+    async def restart_engine(self) -> None:
+        """Empty the cache and restart the event publisher (sockets and sequence), as an engine restart does."""
+        await self._engine.restart()
 
     async def _engine_lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         self._engine.start()
@@ -184,7 +188,7 @@ class SimReplica:
         return _json(self.stats())
 
     async def _restart(self, request: web.Request) -> web.Response:
-        self.restart_engine()
+        await self.restart_engine()
         return _json(self.stats())
 
     async def _drop_events(self, request: web.Request) -> web.Response:
