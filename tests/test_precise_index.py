@@ -20,7 +20,7 @@ def precise_index(**kwargs) -> PrecisePrefixIndex:
 
 
 def match(index, tokens=PROMPT, model="m", salt=None, now=0.0, keys=("a", "b")):
-    return index.match_tokens(keys, tokens, model, salt, now)
+    return index.match_tokens(((key, None) for key in keys), tokens, model, salt, now)
 
 
 def test_stored_blocks_match_in_leading_tokens_of_the_replicas_block_size():
@@ -80,7 +80,7 @@ def test_a_routed_prompt_counts_as_held_until_the_hold_expires():
     index = precise_index(hold_s=2.0)
     index.stored("a", stored([1], None, PROMPT[:4]))
     match(index, now=10.0)
-    index.hold("a", PROMPT, "m", None)
+    index.hold("a", None, PROMPT, "m", None)
     assert match(index, now=11.0)["a"] == 40
     assert match(index, now=12.5)["a"] == 4
 
@@ -96,3 +96,10 @@ def test_block_keys_chain_so_equal_blocks_after_different_prefixes_differ():
     first = list(block_keys((1, 2, 3, 4) * 2, 4))
     assert len(first) == 2 and first[0] != first[1]
     assert list(block_keys((1, 2, 3), 4)) == []
+
+
+def test_the_scraped_block_size_serves_until_an_event_tells_it():
+    index = precise_index()
+    index.match_tokens([("a", 4)], PROMPT, "m", None, 1.0)
+    index.hold("a", 4, PROMPT, "m", None)
+    assert index.match_tokens([("a", 4)], PROMPT, "m", None, 2.0) == {"a": 40}

@@ -70,8 +70,9 @@ class CacheAwarePolicy:
     def _matched_blocks(self, request: RequestInfo, candidates: tuple[EndpointState, ...], now: float) -> dict[str, int]:
         """Leading prefix blocks each candidate holds: precise where its events flow, believed elsewhere."""
         tokens = request.token_ids
-        precise = self.precise.match_tokens((s.key for s in candidates), tokens, request.model, request.cache_salt,
-                                            now) if self.precise is not None and tokens else {}
+        precise = self.precise.match_tokens(((s.key, s.metrics.block_size) for s in candidates), tokens,
+                                            request.model, request.cache_salt, now) \
+            if self.precise is not None and tokens else {}
         blocks_per_token = request.prompt_chars / len(tokens) / self._config.block_chars if tokens else 0.0
         return {state.key: min(int(precise[state.key] * blocks_per_token), len(request.block_hashes))
                 if state.key in precise else self.index.match(state.key, request.block_hashes)
@@ -82,7 +83,8 @@ class CacheAwarePolicy:
         capacity = index_capacity_blocks(chosen.metrics, self._config)
         self.index.record(chosen.key, request.block_hashes, capacity)
         if self.precise is not None and request.token_ids:
-            self.precise.hold(chosen.key, request.token_ids, request.model, request.cache_salt)
+            self.precise.hold(chosen.key, chosen.metrics.block_size, request.token_ids, request.model,
+                              request.cache_salt)
 
     def forget(self, endpoint_key: str) -> None:
         """Drop what the approximate index believes an endpoint holds (it left, or its cache may be gone)."""

@@ -170,39 +170,43 @@ class PrecisePrefixIndex:
         self.clear(key)
         self._replicas.pop(key, None)
 
-    def match_tokens(self, keys: Iterable[str], token_ids: Sequence[int], model: str,
+    def match_tokens(self, replicas: Iterable[tuple[str, int | None]], token_ids: Sequence[int], model: str,
                      cache_salt: str | None, now: float) -> dict[str, int]:
-        """Leading prompt tokens each precise replica among `keys` holds (or will hold: recently routed).
+        """Leading prompt tokens each precise replica holds (or will hold: recently routed there).
 
-        Replicas whose state is not precise are left out: the caller routes them approximately.
+        `replicas` are (key, block size from its metrics); the size its events report wins. Replicas whose
+        state is not precise are left out: the caller routes them approximately.
         """
         self._now = now
         found: dict[str, int] = {}
         chains: dict[tuple[int, str | None], _LazyKeys] = {}  # replicas sharing a block size share the hashing
-        for key in keys:
+        for key, scraped_block_size in replicas:
             replica = self._replicas.get(key)
             if replica is None or not replica.precise:
                 continue
-            if replica.block_size is None:
+            block_size = replica.block_size or scraped_block_size
+            if not block_size:
                 found[key] = 0
                 continue
             lora = model if model in replica.loras else None
-            chain = chains.setdefault((replica.block_size, lora),
-                                      _LazyKeys(block_keys(token_ids, replica.block_size, lora, cache_salt)))
-            found[key] = _leading_held(chain, replica, now) * replica.block_size
+            chain = chains.setdefault((block_size, lora),
+                                      _LazyKeys(block_keys(token_ids, block_size, lora, cache_salt)))
+            found[key] = _leading_held(chain, replica, now) * block_size
         return found
 
-    def hold(self, key: str, token_ids: Sequence[int], model: str, cache_salt: str | None) -> None:
+    def hold(self, key: str, scraped_block_size: int | None, token_ids: Sequence[int], model: str,
+             cache_salt: str | None) -> None:
         """The replica was just sent this prompt: count its blocks as held for `hold_s` from the last match."""
         replica = self._replicas.get(key)
-        if replica is None or not replica.precise or replica.block_size is None:
+        block_size = replica.block_size or scraped_block_size if replica else None
+        if replica is None or not replica.precise or not block_size:
             return
         until = self._now + self._hold_s
         pending = replica.pending
         while pending and next(iter(pending.values())) <= self._now:
             pending.popitem(last=False)
         lora = model if model in replica.loras else None
-        for block in block_keys(token_ids, replica.block_size, lora, cache_salt):
+        for block in block_keys(token_ids, block_size, lora, cache_salt):
             if block not in replica.held:
                 pending[block] = until
                 pending.move_to_end(block)
