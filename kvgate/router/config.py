@@ -60,7 +60,7 @@ class GatewayConfig:
     kv_events_topic: str = "kv-events"
     kv_events_replay_timeout: float = 2.0  # longest wait for one replayed batch
     kv_events_hold: float = 2.0  # seconds a routed prompt's blocks count as held before the engine's events arrive
-    kv_events_max_blocks: int = 4_000_000  # precise index bound, all replicas together (~260 B each)
+    kv_events_max_blocks: int = 1_000_000  # precise index bound, all replicas together (~260 B each: ~260 MB)
     tokenizer: tuple[str, ...] = ()  # MODEL=DIR: tokenize that model's requests as vLLM does (precise routing)
     tokenize_offload_bytes: int = 16384  # prompts larger than this are tokenized on a worker thread
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -253,7 +253,7 @@ def tokenizer_dirs(config: GatewayConfig) -> dict[str, str]:
 
 
 def _validate_kv_events(config: GatewayConfig) -> None:
-    """Check the KV events addresses and the tokenizer directories (each must hold tokenizer.json)."""
+    """Check the KV events addresses and the tokenizer settings (the directories are read when the gateway starts)."""
     from kvgate.endpoints.kv_events import KvEventAddresses, KvEventsAddressError
 
     for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -265,8 +265,6 @@ def _validate_kv_events(config: GatewayConfig) -> None:
         model, sep, directory = item.partition("=")
         if not sep or not model or not directory:
             raise ConfigError(f"tokenizer: expected MODEL=DIR, got {item!r}")
-        if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
-            raise ConfigError(f"tokenizer: {directory} has no tokenizer.json (for model {model!r})")
     if config.kv_events_endpoint and not config.tokenizer:
         raise ConfigError("kv_events_endpoint: precise routing needs --tokenizer MODEL=DIR for the served model(s)")
     for name in ("kv_events_replay_timeout", "kv_events_max_blocks", "tokenize_offload_bytes"):

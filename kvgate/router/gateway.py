@@ -24,7 +24,8 @@ from kvgate.policies.types import Policy
 from kvgate.router.admission import AdmissionQueue
 from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from kvgate.router.ratelimit import RateLimiter
-from kvgate.router.config import GatewayConfig, tokenizer_dirs
+from kvgate.engine.tokenizer import TokenizerError
+from kvgate.router.config import ConfigError, GatewayConfig, tokenizer_dirs
 from kvgate.router.metrics import FleetCollector, GatewayMetrics, KvEventsCollector
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.proxy import Forwarder, UpstreamTimeouts
@@ -58,8 +59,11 @@ class Gateway:
         self.precise = PrecisePrefixIndex(config.kv_events_max_blocks, config.kv_events_hold) \
             if config.kv_events_endpoint else None
         self.policy: Policy = build_policy(config.policy, config.routing, self.precise)
-        self.tokenizer = RequestTokenizer.load(tokenizer_dirs(config), config.tokenize_offload_bytes) \
-            if config.tokenizer else None
+        try:
+            self.tokenizer = RequestTokenizer.load(tokenizer_dirs(config), config.tokenize_offload_bytes) \
+                if config.tokenizer else None
+        except TokenizerError as exc:
+            raise ConfigError(f"tokenizer: {exc}") from None
         self.kv_events: KvEventSubscriber | None = None
         self.draining = False
         self.fleet: Fleet | None = None
