@@ -59,6 +59,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the distinct prefixes in play (every tenant's system prompt and every open "
                              "conversation) one replica's KV cache holds")
     parser.add_argument("--speed", type=float, default=1.0, help="simulator time compression")
+    parser.add_argument("--precise", action="store_true",
+                        help="replicas tokenize with a tiny local model and publish KV events: adds a pressure "
+                             "oracle and cache-aware rows routed on the events")
     parser.add_argument("--docs", type=Path, help="also write the tables into this Markdown file's routing section")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     workload = parser.add_argument_group("workload (defaults: a ~5 minute run; --quick: seconds)")
@@ -88,6 +91,7 @@ def settings_from_args(ns: argparse.Namespace) -> BenchSettings:
         cache_fraction=ns.cache_fraction,
         sim=SimOptions(speed=ns.speed),
         out_dir=ns.out,
+        tokenizer_dir=ns.out / "tiny-model" if ns.precise else None,
     )
 
 
@@ -129,6 +133,10 @@ def run_from_args(ns: argparse.Namespace, command: str) -> int:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     settings.out_dir.mkdir(parents=True, exist_ok=True)
+    if settings.tokenizer_dir is not None:
+        from kvgate.loadtest.tiny_model import write_tiny_model
+
+        write_tiny_model(settings.tokenizer_dir)
     try:
         scenarios = asyncio.run(run_bench(settings, _progress))
     except ProcessError as exc:

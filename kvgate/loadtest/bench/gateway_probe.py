@@ -30,3 +30,18 @@ async def read_decisions(session: aiohttp.ClientSession, urls: Sequence[str]) ->
             if sample.name.endswith("_total"):
                 totals[sample.labels["reason"]] += int(sample.value)
     return dict(totals)
+
+
+async def wait_kv_events_connected(session: aiohttp.ClientSession, urls: Sequence[str], timeout: float = 10.0) -> None:
+    """Wait until every gateway at `urls` is connected to every replica's KV events (so it sees the next reset)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for url in urls:
+        while True:
+            async with session.get(url + "/debug/fleet") as response:
+                endpoints = (await response.json())["endpoints"]
+            if all(e["kv_events"] and e["kv_events"]["connected"] for e in endpoints):
+                break
+            if loop.time() > deadline:
+                raise TimeoutError(f"{url} did not connect to every replica's KV events within {timeout:.0f}s")
+            await asyncio.sleep(0.05)

@@ -119,17 +119,29 @@ async def start_sim_fleet(name: str, replicas: int, options: SimOptions, log_dir
     return child, urls
 
 
-async def start_gateway(name: str, policy: str, endpoints: Sequence[str], log_dir: Path) -> tuple[ChildProcess, str]:
+async def start_gateway(name: str, policy: str, endpoints: Sequence[str], log_dir: Path,
+                        extra_args: Sequence[str] = ()) -> tuple[ChildProcess, str]:
     """`kvgate serve` with one policy in front of `endpoints`; returns the process and its URL once ready."""
     (port,) = free_ports(1)
     argv = [
         *_KVGATE, "serve", "--listen", f"{HOST}:{port}", "--endpoints", ",".join(endpoints), "--policy", policy,
-        "--drain-delay", "0", "--drain-timeout", "2", "--log-level", "warning",
+        "--drain-delay", "0", "--drain-timeout", "2", "--log-level", "warning", *extra_args,
     ]  # fmt: skip
     child = ChildProcess(name, argv, log_dir / f"{name}.log")
     url = base_url(port)
     await _start_ready(child, [url + "/readyz"])
     return child, url
+
+
+def precise_args(endpoints: Sequence[str], options: SimOptions, tokenizer_dir: Path) -> list[str]:
+    """`kvgate serve` flags that subscribe to each simulated replica's KV events and tokenize as it does."""
+    args = []
+    for url in endpoints:
+        port = int(url.rpartition(":")[2])
+        offset = options.kv_events_port_offset
+        args += ["--kv-events-endpoint", f"{url}=tcp://{HOST}:{port + offset}",
+                 "--kv-events-replay-endpoint", f"{url}=tcp://{HOST}:{port + 2 * offset}"]
+    return [*args, "--tokenizer", f"{options.models[0]}={tokenizer_dir}"]
 
 
 def external_argv(template: str, workers: Sequence[str], port: int) -> list[str]:

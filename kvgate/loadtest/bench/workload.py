@@ -24,7 +24,7 @@ _TEMPLATE_CHARS_PER_MESSAGE = 60
 # Generated words with their leading space: about 6.5 characters on average, 10 at the longest.
 _MEAN_REPLY_CHARS_PER_TOKEN = 6.5
 _MAX_REPLY_CHARS_PER_TOKEN = 10
-_CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4  # the simulator's own tokenization
 
 
 def _words(rng: random.Random, chars: int) -> str:
@@ -131,8 +131,8 @@ def build_conversations(spec: WorkloadSpec) -> list[Conversation]:
     ]
 
 
-def _blocks(chars: int, block_size: int) -> int:
-    return math.ceil(chars / _CHARS_PER_TOKEN / block_size)
+def _blocks(chars: int, block_size: int, chars_per_token: float) -> int:
+    return math.ceil(chars / chars_per_token / block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,18 +145,18 @@ class PrefixFootprint:
     longest_request_tokens: int  # prompt plus output of the longest possible last turn
 
     @classmethod
-    def of(cls, spec: WorkloadSpec, block_size: int) -> PrefixFootprint:
-        """Estimates from the workload's sizes at four characters per token, as the simulator tokenizes."""
+    def of(cls, spec: WorkloadSpec, block_size: int, chars_per_token: float = CHARS_PER_TOKEN) -> PrefixFootprint:
+        """Estimates from the workload's sizes at `chars_per_token` (the simulator's own: four)."""
         system_chars = spec.system_prompt_chars + 2 * _TEMPLATE_CHARS_PER_MESSAGE
         typical_turn = spec.user_chars + spec.max_tokens * _MEAN_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
         longest_turn = (
             spec.user_chars * 3 // 2 + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
         )
         return cls(
-            system_prompt_blocks=_blocks(system_chars, block_size),
-            history_blocks=_blocks(round(spec.turns * typical_turn), block_size),
-            longest_history_blocks=_blocks(spec.turns * longest_turn, block_size),
-            longest_request_tokens=math.ceil((system_chars + spec.turns * longest_turn) / _CHARS_PER_TOKEN)
+            system_prompt_blocks=_blocks(system_chars, block_size, chars_per_token),
+            history_blocks=_blocks(round(spec.turns * typical_turn), block_size, chars_per_token),
+            longest_history_blocks=_blocks(spec.turns * longest_turn, block_size, chars_per_token),
+            longest_request_tokens=math.ceil((system_chars + spec.turns * longest_turn) / chars_per_token)
             + spec.max_tokens,
         )
 
