@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
 from kvgate.engine.tokenizer import EngineTokenizer, TokenizerError
 from kvgate.loadtest.tiny_model import BOS
@@ -66,3 +70,22 @@ def test_a_template_error_is_a_tokenizer_error(tiny_model_dir, tmp_path):
 def test_a_directory_without_tokenizer_json_is_refused(tmp_path):
     with pytest.raises(TokenizerError):
         EngineTokenizer.load(tmp_path)
+
+
+SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|end_of_text|>"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.text(max_size=40), st.sampled_from(SPECIALS + ["<|eot", "|>", " <|eot_id|> "])),
+                max_size=12), st.booleans())
+def test_piecewise_encoding_equals_the_librarys_whole_text_encoding(tokenizer, tiny_model_dir, pieces,
+                                                                   add_special_tokens):
+    text = "".join(pieces)
+    whole = _library(tiny_model_dir).encode(text, add_special_tokens=add_special_tokens).ids
+    assert tokenizer.encode(text, add_special_tokens) == whole
+    assert tokenizer.encode(text, add_special_tokens) == whole  # again, from the remembered pieces
+
+
+@functools.cache
+def _library(directory) -> Tokenizer:
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
@@ -28,6 +30,9 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 _LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content(?!\w))")
 
 
+_SEGMENT_CACHE_CHARS = 8 * 1024 * 1024  # text kept with its token ids: system prompts and earlier turns repeat
+
+
 class TokenizerError(ValueError):
     """A tokenizer directory that cannot be loaded, or a request its template refuses."""
 
@@ -37,6 +42,7 @@ class EngineTokenizer:
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, special_tokens: Mapping[str, str]) -> None:
         self._tokenizer = tokenizer
+        self._segments = _SegmentEncoder.for_tokenizer(tokenizer)
         self._special_tokens = dict(special_tokens)
         self._template = _compile(chat_template) if chat_template else None
         self._openai_content = bool(chat_template and _LOOPS_OVER_CONTENT.search(chat_template))
@@ -60,8 +66,10 @@ class EngineTokenizer:
         return cls(tokenizer, template if isinstance(template, str) else None, special)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of `text`."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`, exactly as the `tokenizers` library encodes the whole text."""
+        if self._segments is not None:
+            return self._segments.encode(text, add_special_tokens)
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def render_chat(self, body: Mapping[str, Any]) -> str:
         """The prompt text vLLM renders for a chat request body."""
@@ -127,6 +135,73 @@ class EngineTokenizer:
         if isinstance(message.get("name"), str):
             result["name"] = message["name"]
         return result
+
+
+class _SegmentEncoder:
+    """Encodes the pieces between added tokens separately, remembering recent ones.
+
+    The `tokenizers` library itself splits text on its added tokens (special ones included) and encodes
+    each piece on its own, so the ids of a chat are its pieces' ids with the added tokens' ids between
+    them: a system prompt or an earlier turn that comes again is not tokenized again. Used only when no
+    added token strips neighbouring spaces or matches normalized text, where that equality holds as is.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, added: Mapping[str, int]) -> None:
+        self._tokenizer = tokenizer
+        self._added = dict(added)
+        names = sorted(added, key=len, reverse=True)  # longest first: the library matches leftmost-longest
+        self._split = re.compile("(" + "|".join(map(re.escape, names)) + ")")
+        with_specials = tokenizer.encode("a", add_special_tokens=True).ids
+        bare = tokenizer.encode("a", add_special_tokens=False).ids
+        at = with_specials.index(bare[0]) if bare and bare[0] in with_specials else 0
+        self._prefix, self._suffix = with_specials[:at], with_specials[at + len(bare):]
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cached_chars = 0
+        self._lock = threading.Lock()  # long prompts are encoded on worker threads
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer) -> _SegmentEncoder | None:
+        """The encoder, or None when some added token's flags make pieces depend on their neighbours."""
+        added = tokenizer.get_added_tokens_decoder()
+        if not added or any(t.lstrip or t.rstrip or t.single_word or t.normalized for t in added.values()):
+            return None
+        return cls(tokenizer, {token.content: token_id for token_id, token in added.items()})
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        pieces = self._split.split(text)
+        with self._lock:
+            known = {piece: self._recall(piece) for piece in pieces if piece and piece not in self._added}
+        missing = [piece for piece, ids in known.items() if ids is None]
+        if missing:
+            encoded = self._tokenizer.encode_batch_fast(missing, add_special_tokens=False)
+            fresh = dict(zip(missing, (encoding.ids for encoding in encoded)))
+            known.update(fresh)
+            self._remember(fresh)
+        ids = list(self._prefix) if add_special_tokens else []
+        for piece in pieces:
+            if piece in self._added:
+                ids.append(self._added[piece])
+            elif piece:
+                ids.extend(known[piece])  # type: ignore[arg-type]
+        return ids + self._suffix if add_special_tokens else ids
+
+    def _recall(self, piece: str) -> list[int] | None:
+        """A remembered piece's ids, now the most recently used; call with the lock held."""
+        ids = self._cache.get(piece)
+        if ids is not None:
+            self._cache.move_to_end(piece)
+        return ids
+
+    def _remember(self, fresh: Mapping[str, list[int]]) -> None:
+        """Keep newly encoded pieces, dropping the least recently used beyond the cache's size."""
+        with self._lock:
+            for piece, ids in fresh.items():
+                if piece not in self._cache:
+                    self._cache[piece] = ids
+                    self._cached_chars += len(piece)
+            while self._cached_chars > _SEGMENT_CACHE_CHARS:
+                piece, _ = self._cache.popitem(last=False)
+                self._cached_chars -= len(piece)
 
 
 def _compile(template: str) -> jinja2.Template:

@@ -28,16 +28,23 @@ from xxhash import xxh3_64_intdigest
 
 from kvgate.engine.kv_events import BlockHash, BlockRemoved, BlockStored
 
+_TOKEN_BYTES = 4
 # Measured with tracemalloc on CPython 3.11: a held-key entry, an engine-hash entry and both ints.
 BYTES_PER_BLOCK = 260
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, lora: str | None = None,
-               cache_salt: str | None = None, parent: int = 0) -> Iterator[int]:
+               cache_salt: str | None = None) -> Iterator[int]:
     """kvgate's chained key of each full `block_size` block of `token_ids`, lazily, first block first."""
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = _request_extra_keys(lora, cache_salt if start == 0 else None)
-        parent = _block_key(parent, token_ids[start:start + block_size], extra)
+    packed = _packed(token_ids)
+    width = block_size * _TOKEN_BYTES
+    first_extra = _request_extra_keys(lora, cache_salt)
+    later_extra = _request_extra_keys(lora, None)
+    parent = 0
+    for start in range(0, len(token_ids) // block_size * width, width):
+        block = packed[start:start + width]
+        extra = first_extra if start == 0 else later_extra
+        parent = xxh3_64_intdigest(bytes(block) + extra if extra else block, parent)
         yield parent
 
 
@@ -63,6 +70,8 @@ class PrecisePrefixIndex:
         self._replicas: dict[str, _Replica] = {}
         self._total = 0
         self._now = 0.0  # time of the latest match: the pick a following hold() belongs to
+        # The latest match's block keys, which the hold() that follows it for the same prompt reuses.
+        self._chains: tuple[Sequence[int], dict[tuple[int, str | None], _LazyKeys]] | None = None
         self.dropped_blocks = 0  # stores refused by the total bound
 
     @property
@@ -180,6 +189,7 @@ class PrecisePrefixIndex:
         self._now = now
         found: dict[str, int] = {}
         chains: dict[tuple[int, str | None], _LazyKeys] = {}  # replicas sharing a block size share the hashing
+        self._chains = (token_ids, chains)
         for key, scraped_block_size in replicas:
             replica = self._replicas.get(key)
             if replica is None or not replica.precise:
@@ -189,8 +199,9 @@ class PrecisePrefixIndex:
                 found[key] = 0
                 continue
             lora = model if model in replica.loras else None
-            chain = chains.setdefault((block_size, lora),
-                                      _LazyKeys(block_keys(token_ids, block_size, lora, cache_salt)))
+            chain = chains.get((block_size, lora))
+            if chain is None:
+                chain = chains[block_size, lora] = _LazyKeys(block_keys(token_ids, block_size, lora, cache_salt))
             found[key] = _leading_held(chain, replica, now) * block_size
         return found
 
@@ -206,7 +217,8 @@ class PrecisePrefixIndex:
         while pending and next(iter(pending.values())) <= self._now:
             pending.popitem(last=False)
         lora = model if model in replica.loras else None
-        for block in block_keys(token_ids, block_size, lora, cache_salt):
+        chain = self._chains[1].get((block_size, lora)) if self._chains and self._chains[0] is token_ids else None
+        for block in chain.all() if chain else block_keys(token_ids, block_size, lora, cache_salt):
             if block not in replica.held:
                 pending[block] = until
                 pending.move_to_end(block)
@@ -224,6 +236,11 @@ class _LazyKeys:
     def __init__(self, keys: Iterator[int]) -> None:
         self._source = keys
         self._keys: list[int] = []
+
+    def all(self) -> list[int]:
+        """Every key of the prompt."""
+        self._keys.extend(self._source)
+        return self._keys
 
     def get(self, index: int) -> int | None:
         while len(self._keys) <= index:
@@ -245,10 +262,15 @@ def _leading_held(chain: _LazyKeys, replica: _Replica, now: float) -> int:
 
 
 def _block_key(parent: int, tokens: Sequence[int], extra: bytes) -> int:
+    return xxh3_64_intdigest(bytes(_packed(tokens)) + extra, parent)
+
+
+def _packed(tokens: Sequence[int]) -> memoryview:
+    """Token ids as little-endian uint32, the bytes every gateway replica hashes alike."""
     packed = array("I", tokens)
     if sys.byteorder == "big":
-        packed.byteswap()  # every gateway replica must compute the same keys
-    return xxh3_64_intdigest(packed.tobytes() + extra, parent)
+        packed.byteswap()
+    return memoryview(packed).cast("B")
 
 
 def _request_extra_keys(lora: str | None, cache_salt: str | None) -> bytes:
