@@ -113,6 +113,38 @@ async def test_connect_failure_is_retried_once_on_another_replica(sim) -> None:
     assert sim.replicas[0].stats()["requests"] == 6
 
 
+async def test_vllm_shutdown_500_is_retried_elsewhere_but_other_500s_are_relayed(sim) -> None:
+    """vLLM 0.32 fails new requests during its shutdown drain with this 500: the request never ran there."""
+    seen = {"crashing": 0, "refusing": 0}
+
+    async def crashing(request: web.Request) -> web.Response:
+        seen["crashing"] += 1
+        return web.json_response({"error": {"message": "cannot schedule new futures after shutdown",
+                                            "type": "InternalServerError", "param": None, "code": 500}}, status=500)
+
+    async def refusing(request: web.Request) -> web.Response:
+        seen["refusing"] += 1
+        return web.json_response({"error": {"message": "prompt too long", "type": "BadRequestError", "param": None,
+                                            "code": 500}}, status=500)
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    async with scripted_replica([("POST", "/v1/chat/completions", crashing)]) as crash_url, \
+            scripted_replica([("POST", "/v1/chat/completions", refusing)]) as refuse_url, \
+            aiohttp.ClientSession() as client:
+        async with running_gateway(endpoints=[crash_url, sim.urls[0]], policy="round-robin") as gw:
+            for _ in range(4):
+                async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200
+        async with running_gateway(endpoints=[refuse_url, sim.urls[0]], policy="round-robin") as gw:
+            statuses = []
+            for _ in range(4):
+                async with client.post(gw.url + "/v1/chat/completions", json=body) as resp:
+                    statuses.append(resp.status)
+                    if resp.status == 500:
+                        assert (await resp.json())["error"]["message"] == "prompt too long"
+    assert seen["crashing"] >= 1 and sorted(statuses) == [200, 200, 500, 500] and seen["refusing"] == 2
+
+
 async def test_hop_by_hop_headers_never_cross_and_request_id_propagates() -> None:
     seen: CIMultiDict[str] = CIMultiDict()
 

@@ -7,6 +7,7 @@ The interpreter comes from `KVGATE_VLLM_PYTHON` (`./dev real` creates `.venv-vll
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -19,6 +20,11 @@ from pathlib import Path
 
 VLLM_PYTHON_ENV = "KVGATE_VLLM_PYTHON"
 HASH_SEED = "0"  # PYTHONHASHSEED of every engine: sha256_cbor block hashes are then the same on every run
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the process that started it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def vllm_python() -> str | None:
@@ -35,7 +41,7 @@ class EngineSpec:
     cpu: int  # the core its worker threads are pinned to
     model_dir: Path
     served_model_name: str = "tiny-llama"
-    kv_cache_bytes: int = 48 * 128 * 1024 * 2  # bytes of KV cache: about 1 KiB per token for the tiny model
+    kv_cache_bytes: int = 48 * 128 * 1024  # 48 blocks of 128 tokens: the tiny model takes 1 KiB per token
     max_num_seqs: int = 8
     max_model_len: int = 4096
     priority_scheduling: bool = False
@@ -106,7 +112,8 @@ class VllmEngine:
                "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}  # fmt: skip
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(self.spec.argv(self.python), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
+                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir,
+                                            preexec_fn=_die_with_parent)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Block until `/health` answers 200; raises with the log's tail if the engine dies or is late."""
@@ -123,10 +130,13 @@ class VllmEngine:
             time.sleep(0.5)
         raise TimeoutError(f"vLLM engine on port {self.spec.port} not healthy after {timeout} s:\n{self.log_tail()}")
 
-    def signal(self, signum: int) -> None:
-        """Send a signal to the engine's whole process group."""
+    def signal(self, signum: int, group: bool = True) -> None:
+        """Send a signal to the engine's whole process group, or (group=False) to its API server alone.
+
+        The kubelet signals a container's main process only: that is how vLLM's graceful shutdown begins.
+        """
         if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signum)
+            (os.killpg if group else os.kill)(self.process.pid, signum)
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""

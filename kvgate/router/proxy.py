@@ -21,8 +21,10 @@ from kvgate.router.requests import ParsedRequest
 
 log = logging.getLogger(__name__)
 
-# vLLM answers this while shutting down: the request provably did not start, so another replica may take it.
-_VLLM_SHUTDOWN_BODY = b"Server is unavailable"
+# What vLLM answers a new request while it shuts down: the request provably did not start, so another replica may
+# take it. Older versions answer 503 "Server is unavailable"; 0.32 drains in-flight requests and fails new ones
+# with a 500 whose message is its closed executor's.
+_VLLM_SHUTDOWN_ANSWERS = {503: b"Server is unavailable", 500: b"cannot schedule new futures after shutdown"}
 _SSE = "text/event-stream"
 _DECODED = frozenset({"content-encoding"})
 _WHOLE_BODY_LIMIT = 1024 * 1024  # plain answers up to this size are relayed in one write
@@ -176,10 +178,10 @@ class Forwarder:
         except aiohttp.ClientError as exc:
             self._metrics.upstream_errors.labels("protocol", target.key).inc()
             raise GatewayError(502, f"the replica failed before answering: {type(exc).__name__}") from None
-        if upstream.status == 503:
+        if upstream.status in _VLLM_SHUTDOWN_ANSWERS:
             body = await upstream.read()
             upstream.release()
-            if _VLLM_SHUTDOWN_BODY in body:
+            if _VLLM_SHUTDOWN_ANSWERS[upstream.status] in body:
                 self._fleet.health.failure(target.key, "replica_shutdown")  # it is leaving: stop choosing it
                 raise _Retryable("replica_shutdown")
             self._fleet.health.success(target.key)

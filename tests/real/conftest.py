@@ -1,0 +1,69 @@
+"""Real vLLM engines (the CPU build) shared by the real-engine suite: `./dev real` sets it up and runs it.
+
+Without `KVGATE_VLLM_PYTHON` (an interpreter with vLLM installed) every test here is skipped with that reason.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvgate.loadtest.tiny_model import write_tiny_model
+from kvgate.loadtest.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, VllmEngine, start_engines, vllm_python
+
+MODEL = "tiny-llama"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the real-engine tests where vLLM is not set up."""
+    if vllm_python() is not None:
+        return
+    skip = pytest.mark.skip(reason=f"real-engine suite: needs {VLLM_PYTHON_ENV} (run ./dev real)")
+    for item in items:
+        if Path(item.fspath).is_relative_to(Path(__file__).parent):
+            item.add_marker(skip)
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free 127.0.0.1 ports (bound together, then released)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny offline model directory every engine serves."""
+    return write_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+@pytest.fixture(scope="session")
+def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
+    """Two engines, one per core: 8 seats, 48 KV blocks of 128 tokens, priority scheduling, KV events with replay."""
+    python = vllm_python()
+    assert python is not None
+    ports = free_ports(6)
+    specs = [EngineSpec(port=ports[i], cpu=i, model_dir=model_dir, served_model_name=MODEL, priority_scheduling=True,
+                        kv_events_port=ports[2 + i], kv_events_replay_port=ports[4 + i]) for i in range(2)]
+    running = start_engines(specs, tmp_path_factory.mktemp("engines"), python)
+    yield running
+    for engine in running:
+        engine.stop()
+
+
+@pytest.fixture
+def fresh_engines(engines: list[VllmEngine]) -> list[VllmEngine]:
+    """The shared engines, restarted if a test stopped one, with empty prefix caches."""
+    for engine in engines:
+        if engine.process is None or engine.process.poll() is not None:
+            engine.restart()
+        engine.reset_prefix_cache()
+    return engines

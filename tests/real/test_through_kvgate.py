@@ -1,0 +1,220 @@
+"""kvgate in front of real vLLM engines: what it claims, checked against the engines' own counters."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aiohttp
+import orjson
+import pytest
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.loadtest.vllm_engine import VllmEngine
+from tests.harness import running_gateway, wait_until
+from tests.real.conftest import MODEL
+
+pytestmark = pytest.mark.timeout(300)
+
+SYSTEM = "You are the support assistant of tenant {n}. " + "Answer briefly and cite the policy section you used. " * 60
+
+
+async def engine_samples(session: aiohttp.ClientSession, engine: VllmEngine) -> dict[str, float]:
+    """The engine's own /metrics, summed per sample name over label sets (prometheus_client's parser)."""
+    async with session.get(engine.url + "/metrics") as response:
+        text = await response.text()
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+async def prefix_hits(session: aiohttp.ClientSession, engines: list[VllmEngine]) -> tuple[float, float]:
+    """vLLM's prefix cache hits and queries (tokens), summed over the engines."""
+    samples = [await engine_samples(session, engine) for engine in engines]
+    return (sum(s["vllm:prefix_cache_hits_total"] for s in samples),
+            sum(s["vllm:prefix_cache_queries_total"] for s in samples))
+
+
+def chat(tenant: int, turns: list[str], **extra: object) -> dict:
+    """A chat request: the tenant's system prompt, then alternating user turns and short assistant answers."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM.format(n=tenant)}]
+    for i, text in enumerate(turns):
+        if i:
+            messages.append({"role": "assistant", "content": f"Answer {i} to tenant {tenant}: see section {i}."})
+        messages.append({"role": "user", "content": text})
+    return {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+
+
+async def test_models_are_the_union_of_what_the_engines_serve(fresh_engines):
+    async with running_gateway(endpoints=[e.url for e in fresh_engines]) as gw, aiohttp.ClientSession() as session:
+        async with session.get(fresh_engines[0].url + "/v1/models") as direct:
+            engine_ids = {m["id"] for m in (await direct.json())["data"]}
+        await wait_until(lambda: all(s.models for s in gw.gateway.fleet.snapshot().endpoints), timeout=10)
+        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused")
+        listed = await client.models.list()
+    assert {m.id for m in listed.data} == engine_ids == {MODEL}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_openai_sdk_chat_and_completions_through_kvgate(fresh_engines, stream):
+    async with running_gateway(endpoints=[e.url for e in fresh_engines]) as gw:
+        client = AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        chat_answer = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, stream=stream)
+        completion = await client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=8,
+                                                     stream=stream)
+        if stream:
+            chat_chunks = [chunk async for chunk in chat_answer]
+            completion_chunks = [chunk async for chunk in completion]
+            assert chat_chunks[0].choices[0].delta.role == "assistant"
+            assert chat_chunks[-1].choices[0].finish_reason in ("length", "stop")
+            assert "".join(c.choices[0].text for c in completion_chunks)
+        else:
+            assert chat_answer.choices[0].message.role == "assistant"
+            assert chat_answer.usage.completion_tokens <= 8 and chat_answer.usage.prompt_tokens > 0
+            assert completion.choices[0].text and completion.usage.completion_tokens <= 8
+
+
+async def read_stream(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[list[float], bytes]:
+    """POST a streamed request; the time of each read since the request, and the whole body."""
+    arrivals: list[float] = []
+    chunks: list[bytes] = []
+    started = time.monotonic()
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200
+        async for chunk in response.content.iter_chunked(1 << 16):
+            arrivals.append(time.monotonic() - started)
+            chunks.append(chunk)
+    return arrivals, b"".join(chunks)
+
+
+def streamed_text(body: bytes) -> str:
+    """The concatenated content of a chat completion stream's events."""
+    events = [orjson.loads(line[6:]) for line in body.split(b"\n\n") if line.startswith(b"data: {")]
+    return "".join(choice["delta"].get("content") or "" for event in events for choice in event["choices"])
+
+
+async def test_stream_chunks_arrive_as_the_engine_makes_them_and_end_with_done(fresh_engines):
+    body = chat(1, ["Tell me a long story."], max_tokens=160, stream=True, ignore_eos=True, temperature=0)
+    async with running_gateway(endpoints=[fresh_engines[0].url]) as gw, aiohttp.ClientSession() as session:
+        _, direct = await read_stream(session, fresh_engines[0].url, body)
+        arrivals, relayed = await read_stream(session, gw.url, body)
+    assert relayed.endswith(b"data: [DONE]\n\n")
+    assert streamed_text(relayed) == streamed_text(direct)  # greedy decoding: the same answer, nothing lost
+    # vLLM coalesces tokens into fewer events when its reader lags, so the count varies a little from run to run.
+    assert relayed.count(b"data: ") > 100
+    # Unbuffered: the answer arrives over many reads spread across the generation, not in one piece at its end.
+    assert len({round(t, 3) for t in arrivals}) >= 20
+    assert arrivals[0] < 0.5 * arrivals[-1]
+
+
+async def test_kvgate_reads_the_engines_metrics_page_and_sizes_its_index_from_it(fresh_engines):
+    async with running_gateway(endpoints=[e.url for e in fresh_engines]) as gw, aiohttp.ClientSession() as session:
+        await wait_until(lambda: all(not s.metrics.stale for s in gw.gateway.fleet.snapshot().endpoints), timeout=10)
+        own = await engine_samples(session, fresh_engines[0])
+        async with session.get(fresh_engines[0].url + "/metrics") as response:
+            page = await response.text()
+        config_line = next(line for line in page.splitlines() if line.startswith("vllm:cache_config_info{"))
+        assert 'block_size="128"' in config_line
+        state = gw.gateway.fleet.snapshot().get(fresh_engines[0].url)
+    assert state.metrics.block_size == 128
+    assert f'num_gpu_blocks="{state.metrics.num_gpu_blocks}"' in config_line
+    assert state.metrics.kv_capacity_tokens == 128 * state.metrics.num_gpu_blocks
+    assert state.metrics.running == own["vllm:num_requests_running"] == 0
+    assert state.metrics.waiting == own["vllm:num_requests_waiting"] == 0
+    assert state.metrics.kv_cache_usage == own["vllm:kv_cache_usage_perc"]
+
+
+@pytest.mark.parametrize("policy,min_hit,max_hit", [("cache-aware", 0.75, 1.0), ("round-robin", 0.0, 0.25)])
+async def test_next_turn_hits_vllms_prefix_cache_only_when_routed_by_cache(fresh_engines, policy, min_hit, max_hit):
+    """Each conversation's second turn: hits over its prompt tokens, by vLLM's own counters."""
+    async with running_gateway(endpoints=[e.url for e in fresh_engines], policy=policy) as gw, \
+            aiohttp.ClientSession() as session:
+        await wait_until(lambda: all(not s.metrics.stale for s in gw.gateway.fleet.snapshot().endpoints), timeout=10)
+        gained = []
+        for tenant in range(4):  # one conversation after the other: round-robin alternates the engines
+            first = await session.post(gw.url + "/v1/chat/completions", json=chat(tenant, ["Hi."]))
+            assert first.status == 200
+            hits_before, queries_before = await prefix_hits(session, fresh_engines)
+            second = await session.post(gw.url + "/v1/chat/completions", json=chat(tenant, ["Hi.", "More."]))
+            assert second.status == 200
+            hits_after, queries_after = await prefix_hits(session, fresh_engines)
+            gained.append((hits_after - hits_before) / (queries_after - queries_before))
+    hit_rate = sum(gained) / len(gained)
+    assert min_hit <= hit_rate <= max_hit, gained
+
+
+async def test_client_leaving_mid_stream_aborts_the_request_in_vllm(fresh_engines):
+    engine = fresh_engines[0]
+    body = chat(2, ["Write forever."], max_tokens=3000, stream=True, ignore_eos=True)
+    async with running_gateway(endpoints=[engine.url]) as gw, aiohttp.ClientSession() as session:
+        response = await session.post(gw.url + "/v1/chat/completions", json=body)
+        await response.content.readuntil(b"\n\n")
+        await response.content.readuntil(b"\n\n")
+        assert (await engine_samples(session, engine))["vllm:num_requests_running"] == 1
+        response.close()  # the client goes away
+        left = time.monotonic()
+        while (await engine_samples(session, engine))["vllm:num_requests_running"] > 0:
+            assert time.monotonic() - left < 1.0, "vLLM still runs the request a second after the client left"
+            await asyncio.sleep(0.05)
+
+
+async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engines):
+    """Eight seats full of batch, four batch queued in vLLM, then interactive: vLLM runs interactive next.
+
+    Prompts are short, so eight sequences fit the 48-block KV cache and the seats are what binds.
+    """
+    engine = fresh_engines[0]
+    async with running_gateway(endpoints=[engine.url], upstream_priority=True,
+                               saturation={"queue": 0, "kv_cache": 1.0, "seats": 1000}) as gw, aiohttp.ClientSession() as session:
+        first_token: dict[str, float] = {}
+
+        async def stream(name: str, priority_class: str, tokens: int) -> int:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Request {name}."}], "max_tokens": tokens,
+                    "stream": True, "ignore_eos": True}
+            async with session.post(gw.url + "/v1/chat/completions", json=body,
+                                    headers={"x-priority": priority_class}) as response:
+                status = response.status
+                async for line in response.content:
+                    if line.startswith(b"data: {") and b'"content":"' in line and b'"content":""' not in line:
+                        first_token.setdefault(name, time.monotonic())
+                return status
+
+        running = [asyncio.create_task(stream(f"run{i}", "batch", 600)) for i in range(8)]
+        await wait_until(lambda: len(first_token) == 8, timeout=30)
+        queued = [asyncio.create_task(stream(f"queued{i}", "batch", 8)) for i in range(4)]
+        waiting = 0.0
+        while waiting < 4 and not any(task.done() for task in running):
+            waiting = (await engine_samples(session, engine))["vllm:num_requests_waiting"]
+        assert waiting == 4  # in vLLM's queue, not kvgate's
+        interactive = asyncio.create_task(stream("interactive", "interactive", 8))
+        statuses = await asyncio.gather(*running, *queued, interactive)
+    assert set(statuses) == {200}
+    assert first_token["interactive"] < min(first_token[f"queued{i}"] for i in range(4))
+
+
+async def test_engine_sigterm_with_open_streams_fails_no_request_that_had_not_started(fresh_engines):
+    stopping, other = fresh_engines
+    async with running_gateway(endpoints=[e.url for e in fresh_engines], policy="round-robin", retries=1) as gw, \
+            aiohttp.ClientSession() as session:
+        await wait_until(lambda: all(not s.metrics.stale for s in gw.gateway.fleet.snapshot().endpoints), timeout=10)
+
+        async def stream(n: int) -> tuple[int, bytes]:
+            body = chat(4, [f"Stream {n}."], max_tokens=120, stream=True, ignore_eos=True)
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as response:
+                return response.status, await response.read()
+
+        open_streams = [asyncio.create_task(stream(n)) for n in range(4)]
+        await wait_until(lambda: gw.gateway.fleet.snapshot().get(stopping.url).in_flight > 0, timeout=10)
+        stopping.signal(signal.SIGTERM, group=False)  # as the kubelet does: vLLM finishes in-flight work, new gets 503
+        later = [asyncio.create_task(stream(n)) for n in range(4, 12)]
+        results = await asyncio.gather(*open_streams, *later)
+    try:
+        assert [status for status, _ in results] == [200] * 12, [body[-400:] for status, body in results if status != 200]
+        assert all(body.endswith(b"data: [DONE]\n\n") for _, body in results)
+    finally:
+        stopping.restart()
