@@ -51,7 +51,10 @@ class Sha256CborHasher:
         """Append the hash and digest of every full block of `tokens` not hashed yet."""
         for index in range(len(hashes), len(tokens) // block_size):
             parent = digests[-1] if digests else self._none_hash
-            extra = [key for key in (lora, cache_salt if index == 0 else None) if key]
+            # vLLM tags each extra key with its source in the hash (the events carry them untagged).
+            extra: list[tuple[str, str]] = [("lora", lora)] if lora else []
+            if cache_salt and index == 0:
+                extra.append(("cache_salt", cache_salt))
             digest = _sha256_cbor((parent, tokens.ids(index * block_size, (index + 1) * block_size),
                                    tuple(extra) if extra else None))
             digests.append(digest)
