@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvgate.endpoints.kv_events import KvEventAddresses, KvEventSubscriber
 from kvgate.endpoints.model import Endpoint
+from kvgate.engine.kv_events import BlockStored, encode_batch, encode_seq
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import closed_port, wait_until
@@ -157,3 +161,25 @@ def test_addresses_come_from_a_host_template_or_explicit_pairs():
     explicit = KvEventAddresses.parse(["http://a:1=tcp://127.0.0.1:7001", "http://a:2/=tcp://127.0.0.1:7002"], "x")
     assert explicit.address(Endpoint(key="http://a:2", url="http://a:2")) == "tcp://127.0.0.1:7002"
     assert explicit.address(Endpoint(key="http://b:1", url="http://b:1")) is None
+
+
+async def test_with_bind_the_subscriber_takes_events_from_an_engine_that_connects_to_it():
+    url, address = "http://127.0.0.1:1", f"tcp://127.0.0.1:{closed_port()}"
+    index = PrecisePrefixIndex()
+    subscriber = KvEventSubscriber(index, KvEventAddresses(explicit={url: address}), KvEventAddresses(), bind=True)
+    subscriber.set_endpoints([Endpoint(key=url, url=url)])
+    engine = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    engine.connect(address)  # what vLLM does with an endpoint without `*`
+    try:
+        await wait_until(lambda: subscriber.stats()[url].connected)
+        stored = BlockStored((7,), None, tuple(range(16)), 16)
+        for _ in range(50):  # a PUB drops what it sends before the subscription reached it: send until it lands
+            await engine.send_multipart([b"kv-events", encode_seq(0), encode_batch(0.0, [stored])])
+            await asyncio.sleep(0.1)
+            if index.blocks_held(url):
+                break
+        assert index.blocks_held(url) == 1 and index.is_precise(url)
+    finally:
+        engine.close(linger=0)
+        await subscriber.close()
+

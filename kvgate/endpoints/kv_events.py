@@ -118,8 +118,11 @@ class _Subscription:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
         sub.setsockopt(zmq.SUBSCRIBE, self._owner.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.stats.address)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        if self._owner.bind:
+            sub.bind(self.stats.address)  # the engine connects to us (a vLLM endpoint without `*`)
+        else:
+            sub.connect(self.stats.address)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
@@ -136,7 +139,7 @@ class _Subscription:
             sub.close(linger=0)
 
     async def _on_monitor(self, event: dict) -> None:
-        if event["event"] == zmq.EVENT_CONNECTED:
+        if event["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
             self.stats.connected = True
             log.info("kv events connected replica=%s address=%s", self._key, self.stats.address)
             if self.stats.last_seq is None and self.stats.replay_address:
@@ -256,11 +259,13 @@ class KvEventSubscriber:
 
     def __init__(self, index: PrecisePrefixIndex, addresses: KvEventAddresses,
                  replay_addresses: KvEventAddresses, topic: str = "kv-events", replay_timeout_s: float = 2.0,
+                 bind: bool = False,
                  capacity_blocks: Callable[[str], int | None] = lambda key: None,
                  on_lost: Callable[[str], None] = lambda key: None) -> None:
         self.index = index
         self.topic = topic.encode()
         self.replay_timeout_s = replay_timeout_s
+        self.bind = bind
         self.capacity_blocks = capacity_blocks
         self.on_lost = on_lost
         self._addresses = addresses

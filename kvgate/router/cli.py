@@ -42,6 +42,8 @@ _HELP = {
                           "or, repeated, REPLICA_URL=tcp://ADDR:PORT; turns on precise routing",
     "kv_events_replay_endpoint": "replicas' KV events replay sockets, in the same forms (fills sequence gaps)",
     "kv_events_topic": "topic of the KV events messages",
+    "kv_events_bind": "bind the explicit KV events addresses and let the engines connect (a vLLM --kv-events-config "
+                      "endpoint without '*' connects out)",
     "kv_events_replay_timeout": "seconds to wait for one replayed batch",
     "kv_events_hold": "seconds a routed prompt's blocks count as held before the engine reports them",
     "kv_events_max_blocks": "bound on the precise index, in blocks, all replicas together",

@@ -58,6 +58,7 @@ class GatewayConfig:
     kv_events_endpoint: tuple[str, ...] = ()  # tcp://{host}:5557, or REPLICA_URL=tcp://ADDR:PORT pairs; off when empty
     kv_events_replay_endpoint: tuple[str, ...] = ()  # the same forms, for the engines' replay sockets
     kv_events_topic: str = "kv-events"
+    kv_events_bind: bool = False  # kvgate binds the (explicit) addresses and the engines connect to them
     kv_events_replay_timeout: float = 2.0  # longest wait for one replayed batch
     kv_events_hold: float = 2.0  # seconds a routed prompt's blocks count as held before the engine's events arrive
     kv_events_max_blocks: int = 1_000_000  # precise index bound, all replicas together (~260 B each: ~260 MB)
@@ -265,6 +266,8 @@ def _validate_kv_events(config: GatewayConfig) -> None:
         model, sep, directory = item.partition("=")
         if not sep or not model or not directory:
             raise ConfigError(f"tokenizer: expected MODEL=DIR, got {item!r}")
+    if config.kv_events_bind and any("=" not in item for item in config.kv_events_endpoint):
+        raise ConfigError("kv_events_bind: needs explicit REPLICA_URL=tcp://ADDR:PORT pairs, not a template")
     if config.kv_events_endpoint and not config.tokenizer:
         raise ConfigError("kv_events_endpoint: precise routing needs --tokenizer MODEL=DIR for the served model(s)")
     for name in ("kv_events_replay_timeout", "kv_events_max_blocks", "tokenize_offload_bytes"):

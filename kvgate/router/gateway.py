@@ -150,7 +150,7 @@ class Gateway:
         subscriber = KvEventSubscriber(
             precise, KvEventAddresses.parse(config.kv_events_endpoint, "kv_events_endpoint"),
             KvEventAddresses.parse(config.kv_events_replay_endpoint, "kv_events_replay_endpoint"),
-            topic=config.kv_events_topic, replay_timeout_s=config.kv_events_replay_timeout,
+            topic=config.kv_events_topic, replay_timeout_s=config.kv_events_replay_timeout, bind=config.kv_events_bind,
             capacity_blocks=lambda key: scraper.metrics(key).num_gpu_blocks, on_lost=self.policy.forget)
         self.fleet.on_endpoints(subscriber.set_endpoints)
         self.metrics.add_collector(KvEventsCollector(subscriber.stats, precise))
