@@ -247,6 +247,22 @@ async def test_rounds_never_overlap_on_a_replica_slower_than_the_interval(sessio
     assert scraper.metrics(slow.endpoint.key).stale
 
 
-def test_rejects_a_timeout_longer_than_the_interval(session):
-    with pytest.raises(ValueError, match="at most the interval"):
-        MetricsScraper(session, interval_s=0.2, timeout_s=0.3)
+async def test_a_page_slower_than_the_interval_delays_only_its_own_replica_and_stays_fresh(session, start_replica):
+    """A busy vLLM engine takes up to ~0.8 s to render /metrics: that is a slow scrape, not a stale replica."""
+    slow, fast = await start_replica(delay_s=0.3), await start_replica()
+    scraper = MetricsScraper(session, interval_s=0.05, timeout_s=1.0)
+    scraper.set_endpoints([slow.endpoint, fast.endpoint])
+    task = asyncio.create_task(scraper.run())
+    try:
+        await wait_until(lambda: slow.hits["/metrics"] >= 3, timeout=5)
+        assert fast.hits["/metrics"] >= 3 * slow.hits["/metrics"]  # the fast one kept its own pace
+        assert not scraper.metrics(slow.url).stale and scraper.metrics(slow.url).running == 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await wait_until(lambda: slow.in_flight == 0, timeout=2)  # cancelling run() cancels the scrape in flight
+
+
+def test_rejects_a_non_positive_timeout(session):
+    with pytest.raises(ValueError, match="must be positive"):
+        MetricsScraper(session, interval_s=0.2, timeout_s=0)

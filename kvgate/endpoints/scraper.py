@@ -22,7 +22,12 @@ StartListener = Callable[[str], None]  # (endpoint key)
 
 
 class MetricsScraper:
-    """Scrapes all endpoints concurrently once per interval; a slow or dead replica only goes stale itself."""
+    """Scrapes each endpoint in its own loop, once per interval; a slow or dead replica only delays itself.
+
+    A busy vLLM engine takes from a few to several hundred milliseconds to render its ~55 KB page, so a scrape
+    may take longer than the interval: that replica is then scraped as often as its page allows, and its last
+    metrics stay fresh while each scrape finishes within the timeout.
+    """
 
     def __init__(
         self,
@@ -33,12 +38,10 @@ class MetricsScraper:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         timeout_s = 0.75 * interval_s if timeout_s is None else timeout_s
-        stale_after_s = 3 * interval_s if stale_after_s is None else stale_after_s
-        if interval_s <= 0 or stale_after_s <= 0:
-            raise ValueError("scrape interval and staleness age must be positive")
-        if not 0 < timeout_s <= interval_s:
-            # Bounding each scrape by the interval is what keeps rounds from overlapping.
-            raise ValueError(f"scrape timeout {timeout_s}s must be positive and at most the interval {interval_s}s")
+        # Fresh while the next scrape may still be under way: a success at most one interval plus a timeout ago.
+        stale_after_s = max(3 * interval_s, interval_s + timeout_s) if stale_after_s is None else stale_after_s
+        if interval_s <= 0 or stale_after_s <= 0 or timeout_s <= 0:
+            raise ValueError("scrape interval, timeout and staleness age must be positive")
         self._session = session
         self._interval_s = interval_s
         self._timeout_s = timeout_s
@@ -76,20 +79,42 @@ class MetricsScraper:
         self._start_listeners.append(listener)
 
     def add_round_listener(self, listener: RoundListener) -> None:
-        """Call `listener()` after every round, once all its scrapes finished or timed out."""
+        """Call `listener()` after every scrape of any endpoint has been recorded (the fleet's view moved)."""
         self._round_listeners.append(listener)
 
     async def run(self) -> None:
-        """Scrape every interval until cancelled; a round lasts at most the scrape timeout, so rounds never overlap."""
+        """Keep one scrape loop per current endpoint until cancelled."""
+        loops: dict[str, tuple[Endpoint, asyncio.Task]] = {}
+        try:
+            while True:
+                for key, (endpoint, task) in list(loops.items()):
+                    if task.done() or not is_current(self._endpoints, endpoint):
+                        task.cancel()
+                        del loops[key]
+                for key, endpoint in self._endpoints.items():
+                    if key not in loops:
+                        loops[key] = (endpoint, asyncio.create_task(self._scrape_loop(endpoint)))
+                await asyncio.sleep(self._interval_s)
+        finally:
+            for _, task in loops.values():
+                task.cancel()
+            await asyncio.gather(*(task for _, task in loops.values()), return_exceptions=True)
+
+    async def _scrape_loop(self, endpoint: Endpoint) -> None:
+        """Scrape one endpoint every interval (or back to back while its page is slower) while it is current."""
         loop = asyncio.get_running_loop()
-        while True:
+        while is_current(self._endpoints, endpoint):
             started = loop.time()
-            await self.scrape_once()
+            await self._scrape(endpoint)
+            self._round_done()
             await asyncio.sleep(max(0.0, started + self._interval_s - loop.time()))
 
     async def scrape_once(self) -> None:
         """One round: scrape all current endpoints concurrently, each bounded by the timeout."""
         await asyncio.gather(*(self._scrape(e) for e in list(self._endpoints.values())))
+        self._round_done()
+
+    def _round_done(self) -> None:
         for listener in self._round_listeners:
             _notify(listener)
 

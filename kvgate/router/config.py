@@ -45,7 +45,7 @@ class GatewayConfig:
     drain_delay: float = 5.0
     drain_timeout: float = 120.0
     scrape_interval: float = 0.2
-    scrape_timeout: float = 0.15
+    scrape_timeout: float = 1.0  # a busy vLLM engine renders its /metrics page in up to ~0.8 s
     models_refresh: float = 30.0
     watch_read_timeout: float = 90.0  # the API server bookmarks about once a minute
     log_level: str = "info"

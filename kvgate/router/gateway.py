@@ -100,7 +100,7 @@ class Gateway:
         )
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
         self.scraper = MetricsScraper(poll_session, interval_s=config.scrape_interval,
-                                      timeout_s=min(config.scrape_timeout, config.scrape_interval))
+                                      timeout_s=config.scrape_timeout)
         self.models = ModelLister(poll_session, refresh_s=config.models_refresh)
         self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats)
         self.fleet.on_endpoints(self.scraper.set_endpoints)

@@ -37,6 +37,60 @@ _TOTAL_COUNTERS = {
 }
 
 
+# Families on vLLM 0.32's page that the simulator does not model: the same name, type and label names, at zero,
+# so that a scraper written against the simulator meets the real page's shape (tests/fixtures holds the real one).
+_UNMODELLED: tuple[tuple[type, str, str, str | None, tuple[str, ...]], ...] = (
+    # (kind, name, help, a label beside engine and model_name, that label's values)
+    (Counter, "vllm:estimated_flops_per_gpu", "Estimated number of floating point operations per GPU.", None, ()),
+    (Counter, "vllm:estimated_read_bytes_per_gpu", "Estimated number of bytes read from memory per GPU.", None, ()),
+    (Counter, "vllm:estimated_write_bytes_per_gpu", "Estimated number of bytes written to memory per GPU.", None, ()),
+    (Counter, "vllm:external_prefix_cache_queries", "External prefix cache queries, in tokens.", None, ()),
+    (Counter, "vllm:external_prefix_cache_hits", "External prefix cache hits, in tokens.", None, ()),
+    (Counter, "vllm:mm_cache_queries", "Multi-modal cache queries, in items.", None, ()),
+    (Counter, "vllm:mm_cache_hits", "Multi-modal cache hits, in items.", None, ()),
+    (Counter, "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.", "source",
+     ("local_compute", "local_cache_hit", "external_kv_transfer")),
+    (Counter, "vllm:prompt_tokens_cached", "Number of cached prompt tokens.", None, ()),
+    (Counter, "vllm:prompt_tokens_cached_by_source", "Number of cached prompt tokens by source.", "source",
+     ("device", "host", "p2p", "disk", "external_unspecified")),
+    (Gauge, "vllm:engine_sleep_state", "Engine sleep state.", "sleep_state", ("awake", "weights_offloaded", "discard_all")),
+    (Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None, ()),
+    (Histogram, "vllm:request_generation_tokens", "Number of generation tokens processed.", None, ()),
+    (Histogram, "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", None, ()),
+    (Histogram, "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested tokens.", None, ()),
+    (Histogram, "vllm:request_params_n", "Histogram of the n request parameter.", None, ()),
+    (Histogram, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None, ()),
+    (Histogram, "vllm:request_time_per_output_token_seconds", "Histogram of time per output token in seconds.", None, ()),
+    (Histogram, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", None, ()),
+    (Histogram, "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", None, ()),
+    (Histogram, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", None, ()),
+    (Histogram, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", None, ()),
+    (Histogram, "vllm:request_num_preemptions", "Number of preemptions per request.", None, ()),
+    (Histogram, "vllm:request_prefill_kv_computed_tokens", "Prefill tokens computed, excluding cached ones.", None, ()),
+)  # fmt: skip
+
+
+def _cache_config_labels(options: SimOptions, engine: str) -> dict[str, str]:
+    """vLLM 0.32's cache_config_info labels, with the simulator's own values where it has them."""
+    return {
+        "_block_size_resolved": "True", "block_size": str(options.block_size), "cache_dtype": "auto",
+        "cache_hit_alignment_tokens": "None", "effective_attention_block_size": str(options.block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False", "enable_prefix_caching": str(options.enable_prefix_caching),
+        "engine": engine, "gpu_memory_utilization": "0.92", "hash_block_size": "None", "is_attention_free": "False",
+        "kv_cache_dtype_skip_layers": "[]", "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(options.num_gpu_blocks * options.block_size / options.max_model_len),
+        "kv_cache_memory_bytes": "None", "kv_cache_size_tokens": str(options.num_gpu_blocks * options.block_size),
+        "kv_offloading_backend": "native", "kv_offloading_size": "None", "kv_sharing_fast_prefill": "False",
+        "mamba_block_size": "None", "mamba_cache_dtype": "auto", "mamba_cache_mode": "none",
+        "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "float32", "num_cpu_blocks": "None",
+        "num_gpu_blocks": str(options.num_gpu_blocks), "num_gpu_blocks_override": "None",
+        "prefix_cache_retention_interval": "0", "prefix_caching_hash_algo": "sha256_cbor", "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16", "skip_page_size_padded": "None", "sliding_window": "None",
+        "swa_bounded_replay": "True", "use_kda_recoverssm": "False", "use_replayssm": "False",
+        "user_specified_block_size": "False",
+    }  # fmt: skip
+
+
 class EngineMetrics:
     """vLLM engine metrics of one replica, fed from its EngineCore after every change."""
 
@@ -52,6 +106,10 @@ class EngineMetrics:
             Gauge, "vllm:num_requests_running", "Number of requests in model execution batches."
         )
         self._waiting = engine_metric(Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        by_reason = Gauge("vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.",
+                          ("engine", "model_name", "reason"), registry=self.registry)
+        self._waiting_for_capacity = by_reason.labels(engine, model, "capacity")
+        by_reason.labels(engine, model, "deferred").set(0)
         self._usage = [engine_metric(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")]
         if options.legacy_cache_metric:
             self._usage.append(
@@ -84,15 +142,20 @@ class EngineMetrics:
         )
         # vLLM creates every finished_reason series up front, so all three read 0 before use.
         self._success = {reason: success.labels(engine, reason.value, model) for reason in FinishReason}
-        cache_config = Gauge(
-            "vllm:cache_config_info",
-            "Information of the LLMEngine CacheConfig",
-            ("block_size", "enable_prefix_caching", "engine", "num_gpu_blocks"),
-            registry=self.registry,
-        )
-        cache_config.labels(
-            str(options.block_size), str(options.enable_prefix_caching), engine, str(options.num_gpu_blocks)
-        ).set(1)
+        config_labels = _cache_config_labels(options, engine)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", tuple(config_labels),
+              registry=self.registry).labels(**config_labels).set(1)
+        unmodelled = {}
+        for kind, name, doc, label, values in _UNMODELLED:
+            family = unmodelled[name] = kind(name, doc, (*_ENGINE_LABELS, *([label] if label else [])),
+                                             registry=self.registry)
+            for value in values or (None,):
+                family.labels(engine, model, *([] if value is None else [value]))
+        unmodelled["vllm:engine_sleep_state"].labels(engine, model, "awake").set(1)
+        rejections = Counter("vllm:admission_rejections", "Requests rejected at admission.", ("model_name", "reason"),
+                             registry=self.registry)
+        for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+            rejections.labels(model, reason)
         self._lora_info = None
         if options.lora_adapters:
             self._lora_info = Gauge(
@@ -109,6 +172,7 @@ class EngineMetrics:
         """Bring gauges and counters up to date with the engine core."""
         self._running.set(len(core.running))
         self._waiting.set(core.num_waiting)
+        self._waiting_for_capacity.set(core.num_waiting)
         usage = core.cache.pinned_blocks / self._num_gpu_blocks
         for gauge in self._usage:
             gauge.set(usage)

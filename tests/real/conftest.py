@@ -5,12 +5,12 @@ Without `KVGATE_VLLM_PYTHON` (an interpreter with vLLM installed) every test her
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvgate.loadtest.bench.processes import free_ports
 from kvgate.loadtest.tiny_model import write_tiny_model
 from kvgate.loadtest.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, VllmEngine, start_engines, vllm_python
 
@@ -25,18 +25,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if Path(item.fspath).is_relative_to(Path(__file__).parent):
             item.add_marker(skip)
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free 127.0.0.1 ports (bound together, then released)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @pytest.fixture(scope="session")

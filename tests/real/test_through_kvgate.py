@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.loadtest.vllm_engine import VllmEngine
 from tests.harness import running_gateway, wait_until
+from tests.metrics_shape import REAL_PAGE, vllm_family_shapes
 from tests.real.conftest import MODEL
 
 pytestmark = pytest.mark.timeout(300)
@@ -218,3 +219,10 @@ async def test_engine_sigterm_with_open_streams_fails_no_request_that_had_not_st
         assert all(body.endswith(b"data: [DONE]\n\n") for _, body in results)
     finally:
         stopping.restart()
+
+
+async def test_committed_metrics_page_has_the_live_engines_shape(fresh_engines):
+    """tests/fixtures holds the real page the simulator is checked against: it must still be the engine's."""
+    async with aiohttp.ClientSession() as session, session.get(fresh_engines[0].url + "/metrics") as response:
+        live = vllm_family_shapes(await response.text())
+    assert live == vllm_family_shapes(REAL_PAGE.read_text())

@@ -16,7 +16,9 @@ from kvgate.loadtest.bench.report import BenchReport, ScenarioReport, machine_in
 from kvgate.loadtest.bench.results import ScenarioRun
 from kvgate.loadtest.bench.runner import BenchSettings, run_bench
 from kvgate.loadtest.bench.summary import summarise_scenario
+from kvgate.loadtest.bench.vllm_fleet import BLOCK_SIZE, engine_sizing
 from kvgate.loadtest.bench.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, SKEWS, WorkloadSpec
+from kvgate.loadtest.vllm_engine import VLLM_PYTHON_ENV, vllm_python
 from kvgate.simulator import SimOptions
 
 DEFAULT_POLICIES = ("cache-aware", "prefix-hash", "least-load")
@@ -59,9 +61,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the distinct prefixes in play (every tenant's system prompt and every open "
                              "conversation) one replica's KV cache holds")
     parser.add_argument("--speed", type=float, default=1.0, help="simulator time compression")
+    parser.add_argument("--vllm", action="store_true",
+                        help=f"real vLLM engines (the CPU build, one per core) instead of simulated replicas; the "
+                             f"interpreter with vLLM comes from {VLLM_PYTHON_ENV} (./dev real creates .venv-vllm)")
     parser.add_argument("--precise", action="store_true",
-                        help="replicas tokenize with a tiny local model and publish KV events: adds a pressure "
-                             "oracle and cache-aware rows routed on the events")
+                        help="simulated replicas tokenize with a tiny local model and publish KV events: adds a "
+                             "pressure oracle and cache-aware rows routed on the events")
     parser.add_argument("--docs", type=Path, help="also write the tables into this Markdown file's routing section")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     workload = parser.add_argument_group("workload (defaults: a ~5 minute run; --quick: seconds)")
@@ -81,6 +86,10 @@ def settings_from_args(ns: argparse.Namespace) -> BenchSettings:
         raise ValueError(f"--replicas must be >= 1, got {ns.replicas}")
     if ns.cache_fraction <= 0:
         raise ValueError(f"--cache-fraction must be > 0, got {ns.cache_fraction}")
+    if ns.vllm and vllm_python() is None:
+        raise ValueError(f"--vllm needs {VLLM_PYTHON_ENV}: an interpreter with vLLM installed (./dev real makes one)")
+    if ns.vllm and ns.precise:
+        raise ValueError("--precise runs on simulated replicas; real engines publishing KV events are not wired in yet")
     return BenchSettings(
         workload=workload,
         skews=SKEWS if ns.skew == "both" else (ns.skew,),
@@ -91,6 +100,7 @@ def settings_from_args(ns: argparse.Namespace) -> BenchSettings:
         cache_fraction=ns.cache_fraction,
         sim=SimOptions(speed=ns.speed),
         out_dir=ns.out,
+        vllm_python=vllm_python() if ns.vllm else None,
         tokenizer_dir=ns.out / "tiny-model" if ns.precise else None,
     )
 
@@ -113,15 +123,21 @@ def build_report(settings: BenchSettings, scenarios: Sequence[ScenarioRun], comm
             rows=summarise_scenario(scenario),
             plots={title: path.name for title, path in plots.items()},
         ))
+    base = {"command": command, "date": utc_now(), "machine": machine_info(), "scenarios": reports}
+    if settings.vllm_python is not None:
+        sizing = engine_sizing(settings.workload, settings.cache_fraction, settings.out_dir / "vllm")
+        return BenchReport(**base, title="Routing benchmark on real vLLM engines", section="routing-real-engines",
+                           fleet={"replicas": settings.replicas, "engine": "vLLM 0.32.0 CPU build, tiny random-weight "
+                                  "Llama, one core each", "cache_fraction": settings.cache_fraction,
+                                  "num_gpu_blocks": sizing.fleet_blocks, "block_size": BLOCK_SIZE,
+                                  "max_num_seqs": sizing.fleet_seats, "chars_per_token": round(sizing.chars_per_token, 2)},
+                           oracle={"num_gpu_blocks": sizing.oracle_blocks, "max_num_seqs": sizing.oracle_seats})
     fleet, oracle = settings.fleet_options(), settings.oracle_options()
     return BenchReport(
-        command=command,
-        date=utc_now(),
-        machine=machine_info(),
+        **base,
         fleet={"replicas": settings.replicas, "cache_fraction": settings.cache_fraction,
                **{key: getattr(fleet, key) for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "speed")}},
         oracle={key: getattr(oracle, key) for key in ("num_gpu_blocks", "max_num_seqs")},
-        scenarios=reports,
     )
 
 

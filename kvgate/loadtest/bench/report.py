@@ -39,6 +39,8 @@ class BenchReport:
     fleet: dict[str, Any]
     oracle: dict[str, Any]
     scenarios: list[ScenarioReport]
+    title: str = "Routing benchmark"
+    section: str = "routing"  # its section in the docs file
 
     @property
     def all_targets_met(self) -> bool:
@@ -119,15 +121,25 @@ def _tables(report: BenchReport, with_plots: bool) -> str:
     return "".join(parts)
 
 
+def _replica_kind(fleet: dict[str, Any]) -> str:
+    return f"real engines ({fleet['engine']})" if "engine" in fleet else "simulated vLLM replicas"
+
+
+def _replica_detail(fleet: dict[str, Any]) -> str:
+    if "engine" in fleet:
+        return f"; the workload's text tokenizes at {fleet['chars_per_token']} characters per token"
+    return f", speed {fleet['speed']}"
+
+
 def _setup(report: BenchReport) -> str:
     fleet, oracle, machine = report.fleet, report.oracle, report.machine
     return (
         f"Command: `{report.command}`  \n"
         f"Machine: {machine['nproc']} CPUs, {machine['platform']}, Python {machine['python']}; {report.date}.  \n"
-        f"Fleet: {fleet['replicas']} simulated vLLM replicas, each {fleet['num_gpu_blocks']} KV blocks of "
+        f"Fleet: {fleet['replicas']} {_replica_kind(fleet)}, each {fleet['num_gpu_blocks']} KV blocks of "
         f"{fleet['block_size']} tokens (room for {fleet['cache_fraction'] * 100:.0f}% of the distinct prefixes in "
         f"play: every tenant's system prompt and every open conversation), "
-        f"max_num_seqs {fleet['max_num_seqs']}, speed {fleet['speed']}.  \n"
+        f"max_num_seqs {fleet['max_num_seqs']}{_replica_detail(fleet)}.  \n"
         f"Oracle: one replica with {oracle['num_gpu_blocks']} blocks (never evicts) and max_num_seqs "
         f"{oracle['max_num_seqs']}, traffic sent to it directly: the hit-rate ceiling.  \n"
         "Hit rate: prefix-cache hit tokens / queried tokens from the replicas' own counters. Every row replays "
@@ -138,12 +150,12 @@ def _setup(report: BenchReport) -> str:
 def render_markdown(report: BenchReport) -> str:
     """report.md: setup, then a table (and plots) per scenario."""
     verdict = "all targets met" if report.all_targets_met else "some targets missed"
-    return f"# kvgate routing benchmark\n\n{_setup(report)}Result: {verdict}.\n\n{_tables(report, True)}"
+    return f"# kvgate {report.title.lower()}\n\n{_setup(report)}Result: {verdict}.\n\n{_tables(report, True)}"
 
 
 def update_docs(path: Path, report: BenchReport) -> None:
-    """Replace the routing section of a docs file: setup and tables, no plots (append it when absent)."""
-    docs_section.write_docs_section(path, "routing", f"## Routing benchmark\n\n{_setup(report)}{_tables(report, False)}")
+    """Replace the report's section of a docs file: setup and tables, no plots (append it when absent)."""
+    docs_section.write_docs_section(path, report.section, f"## {report.title}\n\n{_setup(report)}{_tables(report, False)}")
 
 
 def write_report(report: BenchReport, out_dir: Path) -> tuple[Path, Path]:

@@ -31,8 +31,9 @@ from kvgate.loadtest.bench.results import (
     RowRun,
     ScenarioRun,
 )
-from kvgate.loadtest.bench.sim_probe import LoadSampler, read_stats, reset_stats
+from kvgate.loadtest.bench.sim_probe import LoadSampler, ReplicaProbe, SimProbe
 from kvgate.loadtest.bench.sizing import fleet_options, oracle_options, pressure_oracle_options
+from kvgate.loadtest.bench.vllm_fleet import VllmProbe, vllm_fleet
 from kvgate.loadtest.bench.workload import Conversation, WorkloadSpec, build_conversations
 from kvgate.simulator import SimOptions
 
@@ -55,7 +56,8 @@ class BenchSettings:
     cache_fraction: float
     sim: SimOptions  # timing knobs every simulated replica shares
     out_dir: Path
-    # Precise routing rows: the replicas tokenize with this model directory and publish KV events.
+    vllm_python: str | None = None  # real vLLM engines (this interpreter has vLLM) instead of simulated replicas
+    # Precise routing rows (simulated replicas): they tokenize with this model directory and publish KV events.
     tokenizer_dir: Path | None = None
 
     @property
@@ -103,15 +105,7 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
     plans = plan_rows(settings)
     scenarios: list[ScenarioRun] = []
     async with AsyncExitStack() as stack:
-        fleet, fleet_urls = await start_sim_fleet("sim-fleet", settings.replicas, settings.fleet_options(), log_dir)
-        stack.push_async_callback(fleet.stop)
-        oracle, oracle_urls = await start_sim_fleet("sim-oracle", 1, settings.oracle_options(), log_dir)
-        stack.push_async_callback(oracle.stop)
-        direct = {ORACLE: oracle_urls}  # rows whose traffic goes straight to their own replica
-        if settings.tokenizer_dir is not None:
-            pressure, direct[PRESSURE_ORACLE] = await start_sim_fleet(
-                "sim-pressure-oracle", 1, settings.pressure_oracle_options(), log_dir)
-            stack.push_async_callback(pressure.stop)
+        fleet_urls, direct, probe = await stack.enter_async_context(_replicas(settings, log_dir))
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
         for skew in settings.skews:
             spec = settings.workload.with_skew(skew)
@@ -124,8 +118,8 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
                     async with _routers(plan, fleet_urls, log_dir, skew, settings) as targets:
                         if plan.precise:
                             await wait_kv_events_connected(session, targets)  # the reset's AllBlocksCleared counts
-                        await reset_stats(session, sim_urls)
-                        await _measure(row, session, sim_urls, targets or sim_urls, spec, conversations,
+                        await probe.reset(session, sim_urls)
+                        await _measure(row, session, sim_urls, targets or sim_urls, spec, conversations, probe,
                                        _Ticker(f"{skew}/{plan.name}", progress))
                         if plan.kind == KVGATE:
                             row.decisions = await read_decisions(session, targets)
@@ -136,6 +130,28 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
                 progress(_row_line(skew, row))
             scenarios.append(scenario)
     return scenarios
+
+
+@asynccontextmanager
+async def _replicas(settings: BenchSettings,
+                    log_dir: Path) -> AsyncIterator[tuple[list[str], dict[str, list[str]], ReplicaProbe]]:
+    """The fleet's URLs, the oracles' (by row kind), and how to read them: simulated replicas, or real engines."""
+    if settings.vllm_python is not None:
+        async with vllm_fleet(settings.workload, settings.replicas, settings.cache_fraction, settings.vllm_python,
+                              settings.out_dir / "vllm") as (fleet_urls, oracle_urls, _):
+            yield fleet_urls, {ORACLE: oracle_urls}, VllmProbe()
+        return
+    async with AsyncExitStack() as stack:
+        fleet, fleet_urls = await start_sim_fleet("sim-fleet", settings.replicas, settings.fleet_options(), log_dir)
+        stack.push_async_callback(fleet.stop)
+        oracle, oracle_urls = await start_sim_fleet("sim-oracle", 1, settings.oracle_options(), log_dir)
+        stack.push_async_callback(oracle.stop)
+        direct = {ORACLE: oracle_urls}  # rows whose traffic goes straight to their own replica
+        if settings.tokenizer_dir is not None:
+            pressure, direct[PRESSURE_ORACLE] = await start_sim_fleet(
+                "sim-pressure-oracle", 1, settings.pressure_oracle_options(), log_dir)
+            stack.push_async_callback(pressure.stop)
+        yield fleet_urls, direct, SimProbe()
 
 
 @asynccontextmanager
@@ -166,12 +182,13 @@ async def _measure(
     targets: Sequence[str],
     spec: WorkloadSpec,
     conversations: Sequence[Conversation],
+    probe: ReplicaProbe,
     ticker: _Ticker,
 ) -> None:
     """Drive the workload through `targets` while sampling the replicas' load; fill in `row`."""
     loop = asyncio.get_running_loop()
     driver = ConversationDriver(spec, targets, on_sample=ticker.count)
-    async with LoadSampler(session, sim_urls) as sampler:
+    async with LoadSampler(session, sim_urls, probe) as sampler:
         start = loop.time()
         ticking = asyncio.create_task(ticker.run())
         try:
@@ -180,7 +197,7 @@ async def _measure(
             ticking.cancel()
         row.wall_seconds = loop.time() - start
     row.load = sampler.series
-    row.replica_stats = await read_stats(session, sim_urls)
+    row.replica_stats = await probe.stats(session, sim_urls)
 
 
 class _Ticker:

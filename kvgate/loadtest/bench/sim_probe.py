@@ -1,11 +1,11 @@
-"""Reading and resetting the simulator's exact counters, and sampling each replica's load over time."""
+"""Reading and resetting the replicas' counters (the simulator's exact ones, or a probe's), and sampling load over time."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -31,6 +31,30 @@ async def read_stats(session: aiohttp.ClientSession, urls: Sequence[str]) -> lis
     return await _call_all(session, "GET", urls, "/sim/stats")
 
 
+class ReplicaProbe(Protocol):
+    """How the benchmark resets and reads its replicas: simulated ones (/sim/...) or real engines (their /metrics)."""
+
+    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+        """Zero the counters and empty the prefix caches."""
+        ...
+
+    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
+        """Counters since the reset and queues now, per replica, with /sim/stats' names."""
+        ...
+
+
+class SimProbe:
+    """The simulator's exact counters."""
+
+    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+        """`POST /sim/reset` on every replica."""
+        await reset_stats(session, urls)
+
+    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
+        """Every replica's `/sim/stats`."""
+        return await read_stats(session, urls)
+
+
 @dataclass(slots=True)
 class LoadSeries:
     """Requests on each replica (running + waiting) sampled over a run."""
@@ -42,9 +66,10 @@ class LoadSeries:
 class LoadSampler:
     """Samples every replica's running + waiting sequences at a fixed interval while it runs."""
 
-    def __init__(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+    def __init__(self, session: aiohttp.ClientSession, urls: Sequence[str], probe: ReplicaProbe) -> None:
         self._session = session
         self._urls = list(urls)
+        self._probe = probe
         self.series = LoadSeries(per_replica=[[] for _ in self._urls])
         self._task: asyncio.Task[None] | None = None
 
@@ -62,7 +87,7 @@ class LoadSampler:
         start = loop.time()
         while True:
             try:
-                stats = await read_stats(self._session, self._urls)
+                stats = await self._probe.stats(self._session, self._urls)
             except (aiohttp.ClientError, TimeoutError):
                 stats = None  # a missed sample leaves a gap in the plot, not a failed benchmark
             if stats is not None:

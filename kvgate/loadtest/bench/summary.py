@@ -55,7 +55,7 @@ class RowSummary:
     max_over_mean: float | None
     replica_shares: list[float]
     preemptions: int
-    evictions: int
+    evictions: int | None  # None where the replicas do not count them (vLLM exports no eviction counter)
     decisions: dict[str, int] = field(default_factory=dict)  # kvgate rows: routing decisions by reason
     failure: str | None = None  # why the row could not run
     targets: list[TargetCheck] = field(default_factory=list)
@@ -88,7 +88,7 @@ def summarise_row(row: RowRun, oracle_hit_rate: float | None) -> RowSummary:
         max_over_mean=max(per_replica) / mean if mean else None,
         replica_shares=[count / total for count in per_replica] if total else [],
         preemptions=row.replica_total("preemptions") if row.replica_stats else 0,
-        evictions=row.replica_total("evictions") if row.replica_stats else 0,
+        evictions=row.replica_total("evictions") if all("evictions" in s for s in row.replica_stats) else None,
         decisions=row.decisions,
         failure=row.error,
     )
