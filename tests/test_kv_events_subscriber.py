@@ -183,3 +183,34 @@ async def test_with_bind_the_subscriber_takes_events_from_an_engine_that_connect
         engine.close(linger=0)
         await subscriber.close()
 
+
+
+async def test_a_sequence_that_starts_again_on_a_live_connection_clears_the_state():
+    url = "http://127.0.0.1:1"
+    engine = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    port = engine.bind_to_random_port("tcp://127.0.0.1")
+    index = PrecisePrefixIndex()
+    subscriber = KvEventSubscriber(index, KvEventAddresses(explicit={url: f"tcp://127.0.0.1:{port}"}),
+                                   KvEventAddresses())
+    subscriber.set_endpoints([Endpoint(key=url, url=url)])
+
+    async def publish(seq: int, first_token: int) -> None:
+        stored = BlockStored((first_token,), None, tuple(range(first_token, first_token + 16)), 16)
+        await engine.send_multipart([b"kv-events", encode_seq(seq), encode_batch(0.0, [stored])])
+
+    try:
+        await wait_until(lambda: subscriber.stats()[url].connected)
+        for _ in range(50):  # until the subscription reached the PUB socket and seq 0 landed
+            await publish(0, 100)
+            await asyncio.sleep(0.1)
+            if index.blocks_held(url):
+                break
+        await publish(1, 200)
+        await wait_until(lambda: index.blocks_held(url) == 2)
+        restarts = subscriber.stats()[url].restarts
+        await publish(0, 300)  # a new engine on the same address: its sequence starts again
+        await wait_until(lambda: subscriber.stats()[url].restarts == restarts + 1)
+        assert index.blocks_held(url) == 1 and index.is_precise(url)
+    finally:
+        engine.close(linger=0)
+        await subscriber.close()
