@@ -49,9 +49,9 @@ def test_bad_values_name_the_setting(settings, message):
 
 
 def test_a_tokenizer_directory_without_tokenizer_json_stops_the_gateway(tmp_path, capsys):
-    config = build_config(BASE, {"tokenizer": [f"m={tmp_path}"]})
+    config = build_config(BASE, {"tokenizer": [f"m={tmp_path}"], "kv_events_endpoint": ["tcp://{host}:5557"]})
     with pytest.raises(ConfigError, match="tokenizer.json"):
         Gateway(config, default_discovery(config))
     assert main(["serve", "--endpoints", "http://127.0.0.1:1", "--tokenizer", f"m={tmp_path}",
-                 "--listen", "127.0.0.1:0"]) == 2
+                 "--kv-events-endpoint", "tcp://{host}:5557", "--listen", "127.0.0.1:0"]) == 2
     assert "tokenizer" in capsys.readouterr().err

@@ -88,6 +88,8 @@ async def test_a_mixed_fleet_routes_precisely_where_events_flow_and_shows_each_m
         await wait_until(lambda: all(gateway.gateway.precise.is_precise(url) for url in fleet.urls[:2]))
         for number in range(6):
             await complete(session, gateway.url, f" mixed {number}")
+        stats = gateway.gateway.kv_events.stats()
+        await wait_until(lambda: sum(stats[url].events for url in fleet.urls[:2]) > 0)
         async with session.get(gateway.admin_url + "/debug/fleet") as response:
             endpoints = {e["url"]: e for e in (await response.json())["endpoints"]}
         assert [endpoints[url]["routing"] for url in fleet.urls] == ["precise", "precise", "approximate"]
@@ -113,3 +115,23 @@ async def test_a_burst_of_one_new_prefix_stays_on_one_replica_before_any_event_a
         assert sorted(b - a for a, b in zip(before, after)) == [0, 0, 6]
         hits = gateway.gateway.metrics.decisions.labels("cache-aware", "prefix_hit")._value.get()
         assert hits == 5  # the first placed it; the rest followed its held blocks, not a guess
+
+
+@pytest.mark.parametrize("body", [
+    {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": 5}]},
+    {"model": MODEL, "messages": ["not an object"]},
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "not an object"}]},
+    {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "not a mapping"},
+    {"model": MODEL, "messages": [{"role": "assistant", "content": None, "tool_calls": [{"function": {
+        "name": "f", "arguments": "{not json"}}]}]},
+])
+async def test_bodies_the_template_cannot_render_are_forwarded_and_answered_by_the_engine(fleet, tiny_model_dir,
+                                                                                            body):
+    async with running_gateway(**event_settings(fleet, tiny_model_dir)) as gateway, \
+            aiohttp.ClientSession() as session:
+        async with session.post(gateway.url + "/v1/chat/completions", json={**body, "max_tokens": 2}) as response:
+            answer = await response.json()
+            assert response.status in (200, 400), answer
+            assert response.status == 200 or answer["error"]["type"] == "BadRequestError"
+        await complete(session, gateway.url, " still serving")

@@ -59,9 +59,9 @@ class Gateway:
         self.precise = PrecisePrefixIndex(config.kv_events_max_blocks, config.kv_events_hold) \
             if config.kv_events_endpoint else None
         self.policy: Policy = build_policy(config.policy, config.routing, self.precise)
-        try:
+        try:  # token ids serve only the precise index
             self.tokenizer = RequestTokenizer.load(tokenizer_dirs(config), config.tokenize_offload_bytes) \
-                if config.tokenizer else None
+                if config.tokenizer and self.precise is not None else None
         except TokenizerError as exc:
             raise ConfigError(f"tokenizer: {exc}") from None
         self.kv_events: KvEventSubscriber | None = None
