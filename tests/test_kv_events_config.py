@@ -55,3 +55,8 @@ def test_a_tokenizer_directory_without_tokenizer_json_stops_the_gateway(tmp_path
     assert main(["serve", "--endpoints", "http://127.0.0.1:1", "--tokenizer", f"m={tmp_path}",
                  "--kv-events-endpoint", "tcp://{host}:5557", "--listen", "127.0.0.1:0"]) == 2
     assert "tokenizer" in capsys.readouterr().err
+
+
+def test_sim_with_kv_events_but_no_tokenizer_stops_with_a_message(capsys):
+    assert main(["sim", "--ports", "0", "--kv-events"]) == 2
+    assert "needs a tokenizer" in capsys.readouterr().err

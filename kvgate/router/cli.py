@@ -105,7 +105,12 @@ def _cmd_sim(ns: argparse.Namespace) -> int:
 
     configure_logging("info")
     ports = [int(p) for p in ns.ports.split(",") if p.strip()]
-    _run(serve_fleet(ports, sim_options_from_args(ns), ns.host))
+    try:
+        options = sim_options_from_args(ns)
+    except ValueError as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
+    _run(serve_fleet(ports, options, ns.host))
     return 0
 
 
