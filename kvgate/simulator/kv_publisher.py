@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import time
 from collections import deque
@@ -20,6 +21,9 @@ import zmq.asyncio
 from kvgate.engine.kv_events import END_OF_REPLAY, KvEvent, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
+
+_REBIND_ATTEMPTS = 40
+_REBIND_PAUSE_S = 0.05
 
 
 class KvEventPublisher:
@@ -41,8 +45,8 @@ class KvEventPublisher:
         """Bind both sockets (port 0: an ephemeral port) and serve replays until stopped."""
         self._pub = self._context.socket(zmq.PUB)
         self._replay = self._context.socket(zmq.ROUTER)
-        self.endpoint = _bind(self._pub, host, port)
-        self.replay_endpoint = _bind(self._replay, host, replay_port)
+        self.endpoint = await _bind(self._pub, host, port)
+        self.replay_endpoint = await _bind(self._replay, host, replay_port)
         self._replay_task = asyncio.create_task(self._serve_replays(), name="sim-kv-replay")
         log.info("sim kv events publishing endpoint=%s replay=%s", self.endpoint, self.replay_endpoint)
 
@@ -105,10 +109,20 @@ def _host_and_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _bind(socket: zmq.asyncio.Socket, host: str, port: int) -> str:
-    """Bind to host:port (0: any free port) and return the address a subscriber connects to."""
-    if port:
-        socket.bind(f"tcp://{host}:{port}")
-        return f"tcp://{host}:{port}"
-    bound = socket.bind_to_random_port(f"tcp://{host}")
-    return f"tcp://{host}:{bound}"
+async def _bind(socket: zmq.asyncio.Socket, host: str, port: int) -> str:
+    """Bind to host:port (0: any free port) and return the address a subscriber connects to.
+
+    ZMQ releases a closed socket's port in its own thread, so binding a port again right after a restart retries.
+    """
+    if not port:
+        return f"tcp://{host}:{socket.bind_to_random_port(f'tcp://{host}')}"
+    for _ in range(_REBIND_ATTEMPTS):
+        try:
+            socket.bind(f"tcp://{host}:{port}")
+            return f"tcp://{host}:{port}"
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            await asyncio.sleep(_REBIND_PAUSE_S)
+    socket.bind(f"tcp://{host}:{port}")  # the last attempt raises what it finds
+    return f"tcp://{host}:{port}"
