@@ -41,6 +41,9 @@ from kvgate.policies.precise_index import PrecisePrefixIndex
 log = logging.getLogger(__name__)
 
 _RECONNECT_MS = 500
+# Live batches a SUB socket queues while a replay runs (ZMQ's default of 1,000 would drop some: a new gap).
+_RECEIVE_HIGH_WATER_MARK = 100_000
+_REPLAY_BATCHES_PER_YIELD = 64  # a long replay lets requests be routed between its slices
 
 
 class KvEventsAddressError(ValueError):
@@ -117,6 +120,7 @@ class _Subscription:
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RECONNECT_IVL, _RECONNECT_MS)
+        sub.setsockopt(zmq.RCVHWM, _RECEIVE_HIGH_WATER_MARK)
         sub.setsockopt(zmq.SUBSCRIBE, self._owner.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         if self._owner.bind:
@@ -209,6 +213,8 @@ class _Subscription:
                 self._apply(decode_batch(seq, parts[1]))
                 self._skip_through = seq
                 expected += 1
+                if expected % _REPLAY_BATCHES_PER_YIELD == 0:
+                    await asyncio.sleep(0)
         except (TimeoutError, EventDecodeError, zmq.ZMQError, IndexError) as exc:
             log.warning("kv events replay failed replica=%s start=%d: %s", self._key, start, exc or type(exc).__name__)
         finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from kvgate.loadtest.bench.client import ConversationDriver, RequestSample
-from kvgate.loadtest.bench.gateway_probe import read_decisions, wait_kv_events_connected
+from kvgate.loadtest.bench.gateway_probe import read_decisions, wait_kv_events
 from kvgate.loadtest.bench.processes import (
     ProcessError,
     precise_args,
@@ -117,8 +117,10 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
                 try:
                     async with _routers(plan, fleet_urls, log_dir, skew, settings) as targets:
                         if plan.precise:
-                            await wait_kv_events_connected(session, targets)  # the reset's AllBlocksCleared counts
+                            await wait_kv_events(session, targets, precise=False)  # so the reset is seen
                         await probe.reset(session, sim_urls)
+                        if plan.precise:
+                            await wait_kv_events(session, targets, precise=True)
                         await _measure(row, session, sim_urls, targets or sim_urls, spec, conversations, probe,
                                        _Ticker(f"{skew}/{plan.name}", progress))
                         if plan.kind == KVGATE:
