@@ -64,7 +64,7 @@ class _Replica:
 class PrecisePrefixIndex:
     """Per replica, the blocks its engine reported storing and not yet removing, bounded in total."""
 
-    def __init__(self, max_total_blocks: int = 2_000_000, hold_s: float = 2.0) -> None:
+    def __init__(self, max_total_blocks: int = 2_000_000, hold_s: float = 30.0) -> None:
         self._max_total_blocks = max_total_blocks
         self._hold_s = hold_s
         self._replicas: dict[str, _Replica] = {}

@@ -60,7 +60,7 @@ class GatewayConfig:
     kv_events_topic: str = "kv-events"
     kv_events_bind: bool = False  # kvgate binds the (explicit) addresses and the engines connect to them
     kv_events_replay_timeout: float = 2.0  # longest wait for one replayed batch
-    kv_events_hold: float = 2.0  # seconds a routed prompt's blocks count as held before the engine's events arrive
+    kv_events_hold: float = 30.0  # seconds a routed prompt's blocks count as held until the engine reports storing them
     kv_events_max_blocks: int = 1_000_000  # precise index bound, all replicas together (~260 B each: ~260 MB)
     tokenizer: tuple[str, ...] = ()  # MODEL=DIR: tokenize that model's requests as vLLM does (precise routing)
     tokenize_offload_bytes: int = 16384  # prompts larger than this are tokenized on a worker thread
