@@ -48,7 +48,8 @@ def test_bad_values_name_the_setting(settings, message):
         build_config(BASE, settings)
 
 
-def test_a_tokenizer_directory_without_tokenizer_json_stops_the_gateway(tmp_path, capsys):
+def test_a_tokenizer_directory_without_tokenizer_json_stops_the_gateway(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("kvgate.router.cli.configure_logging", lambda level: None)  # keep pytest's log capture
     config = build_config(BASE, {"tokenizer": [f"m={tmp_path}"], "kv_events_endpoint": ["tcp://{host}:5557"]})
     with pytest.raises(ConfigError, match="tokenizer.json"):
         Gateway(config, default_discovery(config))

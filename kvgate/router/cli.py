@@ -103,13 +103,13 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 def _cmd_sim(ns: argparse.Namespace) -> int:
     from kvgate.simulator import serve_fleet, sim_options_from_args
 
-    configure_logging("info")
     ports = [int(p) for p in ns.ports.split(",") if p.strip()]
     try:
         options = sim_options_from_args(ns)
     except ValueError as exc:
         print(f"kvgate sim: {exc}", file=sys.stderr)
         return 2
+    configure_logging("info")
     _run(serve_fleet(ports, options, ns.host))
     return 0
 
