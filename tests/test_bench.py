@@ -10,9 +10,10 @@ import sys
 from pathlib import Path
 
 from kvgate.loadtest.bench.client import RequestSample
-from kvgate.loadtest.bench.processes import external_argv
+from kvgate.loadtest.bench.processes import external_argv, precise_args
 from kvgate.loadtest.bench.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
-from kvgate.loadtest.bench.results import BASELINE_POLICY, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
+from kvgate.loadtest.bench.results import BASELINE_POLICY, KVGATE, ORACLE, PRESSURE_ORACLE, RowPlan, RowRun, ScenarioRun
+from kvgate.loadtest.bench.runner import BenchSettings, plan_rows
 from kvgate.loadtest.bench.sizing import fleet_options, oracle_options, sim_flags
 from kvgate.loadtest.bench.summary import percentile, summarise_scenario
 from kvgate.loadtest.bench.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
@@ -89,6 +90,38 @@ def test_targets_compare_with_oracle_and_round_robin_under_zipf() -> None:
     failed = {check.name for check in rows["least-load"].targets if not check.passed}
     assert failed == {"hit >= 95% of oracle", "hit >= round-robin + 40 pts", "max/mean requests <= 1.25",
                       "TTFT p99 <= round-robin's"}
+
+
+def test_precise_rows_are_held_to_the_pressure_oracle_and_the_approximate_row() -> None:
+    precise = _row("cache-aware precise", KVGATE, "cache-aware", 880, [10, 10, 10], 0.2)
+    precise.plan = RowPlan("cache-aware precise", KVGATE, "cache-aware", precise=True)
+    scenario = ScenarioRun(WorkloadSpec(skew="uniform"), rows=[
+        _row(ORACLE, ORACLE, None, 950, [30], 0.5),
+        _row(PRESSURE_ORACLE, PRESSURE_ORACLE, None, 900, [30], 0.5),
+        _row(BASELINE_POLICY, KVGATE, BASELINE_POLICY, 400, [10, 10, 10], 0.3),
+        _row("cache-aware", KVGATE, "cache-aware", 790, [10, 10, 10], 0.2),
+        precise,
+    ])
+    rows = {row.name: row for row in summarise_scenario(scenario)}
+    assert rows[PRESSURE_ORACLE].targets == []
+    checks = {check.name: check.passed for check in rows["cache-aware precise"].targets}
+    assert checks["hit >= 97% of pressure oracle"] is True  # 88.0 >= 87.3
+    assert checks["hit >= approximate + 10 pts"] is False  # 88.0 < 89.0
+
+
+def test_precise_mode_adds_the_pressure_oracle_and_precise_rows(tmp_path: Path) -> None:
+    settings = BenchSettings(workload=QUICK_WORKLOAD, skews=("zipf",), replicas=3, policies=("cache-aware",),
+                             gateways=3, externals=(), cache_fraction=0.4, sim=SimOptions(), out_dir=tmp_path,
+                             tokenizer_dir=tmp_path / "model")
+    names = [plan.name for plan in plan_rows(settings)]
+    assert names == ["oracle", PRESSURE_ORACLE, "round-robin", "cache-aware", "cache-aware x3",
+                     "cache-aware precise", "cache-aware precise x3"]
+    fleet, pressure = settings.fleet_options(), settings.pressure_oracle_options()
+    assert fleet.kv_events and fleet.tokenizer == str(tmp_path / "model")
+    assert pressure.num_gpu_blocks == 3 * fleet.num_gpu_blocks and not pressure.kv_events
+    args = precise_args(["http://127.0.0.1:8001"], fleet, tmp_path / "model")
+    assert args[:4] == ["--kv-events-endpoint", "http://127.0.0.1:8001=tcp://127.0.0.1:9001",
+                        "--kv-events-replay-endpoint", "http://127.0.0.1:8001=tcp://127.0.0.1:10001"]
 
 
 def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import re
 import shutil
 import subprocess
@@ -507,3 +508,36 @@ def test_overlays_differ_where_they_should() -> None:
     models = [cli_value(container(find_obj(b, "Deployment", "vllm"), "vllm")["args"], "--model")
               for b in (dev, production)]
     assert models == ["Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen3-8B"]
+
+
+def test_vllm_publishes_kv_events_that_the_gateway_subscribes_to(built: list[dict[str, Any]]) -> None:
+    server = container(find_obj(built, "Deployment", "vllm"), "vllm")
+    events = json.loads(cli_value(server["args"], "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    ports = {p["name"]: p["containerPort"] for p in server["ports"]}
+    # The pods bind (`*`) and every gateway replica connects to each pod's address from discovery.
+    for vllm_key, setting, port_name in (("endpoint", "kv_events_endpoint", "kv-events"),
+                                         ("replay_endpoint", "kv_events_replay_endpoint", "kv-replay")):
+        assert events[vllm_key] == f"tcp://*:{ports[port_name]}"
+        assert kvgate_setting(built, setting) == f"tcp://{{host}}:{ports[port_name]}"
+    assert kvgate_setting(built, "kv_events_topic") == events["topic"]
+    # Portable hashes, equal on every pod: sha256_cbor with a fixed seed.
+    assert cli_value(server["args"], "--prefix-caching-hash-algo") == "sha256_cbor"
+    env = {e["name"]: e.get("value") for e in server["env"]}
+    assert env["PYTHONHASHSEED"] is not None and env["PYTHONHASHSEED"].isdigit()
+
+
+def test_gateway_mounts_the_tokenizer_of_the_model_vllm_serves(built: list[dict[str, Any]]) -> None:
+    served = cli_value(container(find_obj(built, "Deployment", "vllm"), "vllm")["args"], "--model")
+    setting = kvgate_setting(built, "tokenizer")
+    (item,) = setting.split(",") if isinstance(setting, str) else setting
+    model, _, directory = item.partition("=")
+    assert model == served
+    deployment = find_obj(built, "Deployment", GATEWAY)
+    gateway_mounts = {m["name"]: m for m in container(deployment, GATEWAY)["volumeMounts"]}
+    (fetcher,) = pod_spec(deployment)["initContainers"]
+    (volume,) = [name for name, m in gateway_mounts.items() if directory.startswith(m["mountPath"] + "/")]
+    assert gateway_mounts[volume]["readOnly"] is True
+    assert volume in {m["name"] for m in fetcher["volumeMounts"]}
+    script = "\n".join(fetcher["args"])
+    assert f'"{served}"' in script and f'local_dir="{directory}"' in script and "tokenizer_config.json" in script

@@ -1,26 +1,36 @@
-"""Cost of building RequestInfo (prefix hashing) next to parsing the same body, as a Markdown table.
+"""Cost of building RequestInfo (prefix hashing, and for precise routing the engine's tokenization) next to
+parsing the same body, and of one pick on the approximate and on the precise index, as a Markdown table.
 
 Run: python -m kvgate.loadtest.bench_hashing
 """
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
+import time
 import timeit
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot
+from kvgate.engine.kv_events import BlockStored
+from kvgate.engine.tokenizer import EngineTokenizer
+from kvgate.loadtest.tiny_model import write_tiny_model
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
+from kvgate.policies.precise_index import PrecisePrefixIndex
 
 CONFIG = RoutingConfig()
 REPLICAS = 16
+BLOCK_SIZE = 16
 
 
-def _chat_body(user_chars: int) -> dict[str, Any]:
-    """A chat request with a system prompt and one user message of `user_chars` characters."""
-    words = "the quick brown fox jumps over the lazy dog "
+def _chat_body(user_chars: int, variant: int = 0) -> dict[str, Any]:
+    """A chat request with a system prompt and one user message of `user_chars` characters (`variant` varies it)."""
+    words = f"the quick brown fox {variant} jumps over the lazy dog "
     return {
         "model": "meta-llama/Llama-3.1-8B-Instruct",
         "messages": [
@@ -31,19 +41,39 @@ def _chat_body(user_chars: int) -> dict[str, Any]:
     }
 
 
+def _first_time_microseconds(tokenizer: EngineTokenizer, chars: int, count: int) -> float:
+    """Tokenizing bodies whose text the tokenizer has not seen (nothing remembered), per body, in microseconds."""
+    bodies = [_chat_body(chars, variant) for variant in range(1, count + 1)]
+    started = time.perf_counter()
+    for body in bodies:
+        tokenizer.chat_ids(body)
+    return (time.perf_counter() - started) / count * 1e6
+
+
 def _microseconds(call: Callable[[], object]) -> float:
     """Best per-call time over several repeats, in microseconds."""
     number = 200
     return min(timeit.repeat(call, number=number, repeat=7)) / number * 1e6
 
 
-def _pick_and_record(body: dict[str, Any]) -> Callable[[], object]:
-    """One cache-aware pick plus record against a fleet whose index already holds this prefix."""
-    policy = build_policy("cache-aware", CONFIG)
+def _pick_and_record(body: dict[str, Any], tokenizer: EngineTokenizer | None = None) -> Callable[[], object]:
+    """One cache-aware pick plus record against a fleet whose index already holds this prefix.
+
+    With a tokenizer, every replica's state is precise and one replica's events stored the whole prompt.
+    """
+    precise = PrecisePrefixIndex() if tokenizer else None
+    policy = build_policy("cache-aware", CONFIG, precise)
     fleet = FleetSnapshot(
         tuple(EndpointState(Endpoint(f"pod-{i}", f"http://10.0.0.{i}:8000"), in_flight=i % 3) for i in range(REPLICAS))
     )
     request = build_request_info("chat", body, "interactive", CONFIG)
+    if tokenizer is not None and precise is not None:
+        ids = tokenizer.chat_ids(body)
+        request = dataclasses.replace(request, token_ids=tuple(ids))
+        for state in fleet.endpoints:
+            precise.set_precise(state.key, True)
+        full = len(ids) // BLOCK_SIZE * BLOCK_SIZE
+        precise.stored("pod-5", BlockStored(tuple(range(full // BLOCK_SIZE)), None, tuple(ids[:full]), BLOCK_SIZE))
     policy.record(request, fleet.endpoints[5])
 
     def run() -> None:
@@ -55,9 +85,12 @@ def _pick_and_record(body: dict[str, Any]) -> Callable[[], object]:
 
 def main() -> None:
     """Print per-request costs for a 4 KB and a 200 KB chat body."""
+    with tempfile.TemporaryDirectory() as directory:
+        tokenizer = EngineTokenizer.load(write_tiny_model(Path(directory)))
     print("| body | orjson.loads (us) | build_request_info (us) | hashing / loads | blocks "
-          f"| cache-aware pick+record, {REPLICAS} replicas (us) |")
-    print("|---|---|---|---|---|---|")
+          f"| cache-aware pick+record, {REPLICAS} replicas (us) | tokens | engine tokenization, new text (us) "
+          f"| the same, text seen before (us) | precise pick+record (us) | precise total, new text (us) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, chars in (("4 KB chat", 4_000), ("200 KB chat", 200_000)):
         body = _chat_body(chars)
         raw = orjson.dumps(body)
@@ -65,7 +98,12 @@ def main() -> None:
         hashing = _microseconds(lambda: build_request_info("chat", body, "interactive", CONFIG))
         blocks = len(build_request_info("chat", body, "interactive", CONFIG).block_hashes)
         pick = _microseconds(_pick_and_record(body))
-        print(f"| {label} ({len(raw)} B) | {parse:.1f} | {hashing:.1f} | {hashing / parse:.2f}x | {blocks} | {pick:.1f} |")
+        first = _first_time_microseconds(tokenizer, chars, 200 if chars < 10_000 else 10)
+        seen = _microseconds(lambda: tokenizer.chat_ids(body))
+        tokens = len(tokenizer.chat_ids(body))
+        precise = _microseconds(_pick_and_record(body, tokenizer))
+        print(f"| {label} ({len(raw)} B) | {parse:.1f} | {hashing:.1f} | {hashing / parse:.2f}x | {blocks} | {pick:.1f} "
+              f"| {tokens} | {first:.1f} | {seen:.1f} | {precise:.1f} | {first + precise:.1f} |")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@
    common prefix spread by what follows it.
 A hot prefix whose holders are full therefore spills to the next replica in its own rendezvous
 order, which then holds it too: overflow concentrates instead of spraying the fleet.
+
+Where a replica's KV events flow (a PrecisePrefixIndex that knows its state) its match is the truth:
+the leading prompt tokens it really holds, expressed in prefix blocks of the request's own characters
+per token so that it compares with the approximate belief about the replicas without events.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kvgate.endpoints.model import EndpointState, FleetSnapshot
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.filters import FreeSeatFilter
 from kvgate.policies.framework import Cycle
+from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.prefix_index import PrefixIndex, index_capacity_blocks
 from kvgate.policies.profile import build_profile
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order
@@ -34,18 +39,19 @@ class CacheAwarePolicy:
 
     name = "cache-aware"
 
-    def __init__(self, config: RoutingConfig) -> None:
+    def __init__(self, config: RoutingConfig, precise: PrecisePrefixIndex | None = None) -> None:
         self._config = config
         self._profile = build_profile(config)
         self._seated = FreeSeatFilter()
         self.index = PrefixIndex(config.index_max_total_blocks)
+        self.precise = precise
 
     def pick(self, request: RequestInfo, fleet: FleetSnapshot) -> Decision | None:
         """Choose a replica for `request` among the fleet's candidates for its model."""
         candidates = fleet.candidates(request.model)
         if not candidates:
             return None
-        matched = {state.key: self.index.match(state.key, request.block_hashes) for state in candidates}
+        matched = self._matched_blocks(request, candidates, fleet.now)
         # The part no choice can gain from: held everywhere, or the anchor, which cold placement already follows.
         shared = max(min(matched.values()), request.anchor_blocks)
         depth = request.anchor_blocks or shared + self._config.affinity_blocks
@@ -61,13 +67,27 @@ class CacheAwarePolicy:
         home = rendezvous_order(cycle.placement_key, candidates)[0]
         return self._decision(cycle, ranked, "cold" if ranked[0].key == home.key else "overflow")
 
+    def _matched_blocks(self, request: RequestInfo, candidates: tuple[EndpointState, ...], now: float) -> dict[str, int]:
+        """Leading prefix blocks each candidate holds: precise where its events flow, believed elsewhere."""
+        tokens = request.token_ids
+        precise = self.precise.match_tokens(((s.key, s.metrics.block_size) for s in candidates), tokens,
+                                            request.model, request.cache_salt, now) \
+            if self.precise is not None and tokens else {}
+        blocks_per_token = request.prompt_chars / len(tokens) / self._config.block_chars if tokens else 0.0
+        return {state.key: min(int(precise[state.key] * blocks_per_token), len(request.block_hashes))
+                if state.key in precise else self.index.match(state.key, request.block_hashes)
+                for state in candidates}
+
     def record(self, request: RequestInfo, chosen: EndpointState) -> None:
         """The chosen replica now caches the request's blocks."""
         capacity = index_capacity_blocks(chosen.metrics, self._config)
         self.index.record(chosen.key, request.block_hashes, capacity)
+        if self.precise is not None and request.token_ids:
+            self.precise.hold(chosen.key, chosen.metrics.block_size, request.token_ids, request.model,
+                              request.cache_salt)
 
     def forget(self, endpoint_key: str) -> None:
-        """Drop what the index believes an endpoint that left the fleet holds."""
+        """Drop what the approximate index believes an endpoint holds (it left, or its cache may be gone)."""
         self.index.forget(endpoint_key)
 
     def index_sizes(self) -> dict[str, int]:

@@ -87,6 +87,7 @@ def build_request_info(
         stream=body.get("stream") is True,
         body_bytes=body_bytes,
         flow=flow,
+        cache_salt=salt if isinstance(salt := body.get("cache_salt"), str) and salt else None,
     )
 
 

@@ -23,6 +23,8 @@ class RequestInfo:
     stream: bool = False
     body_bytes: int = 0
     flow: str = DEFAULT_FLOW  # the Inference Extension's fairness id: flows of one class share the fleet
+    cache_salt: str | None = None
+    token_ids: tuple[int, ...] | None = None  # the prompt as the engine tokenizes it, when a tokenizer is configured
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,7 +42,19 @@ _HELP = {
     "header_timeout": "seconds a client has to send a complete request head",
     "body_timeout": "longest silence in seconds while a request body arrives (then 408)",
     "keepalive_timeout": "seconds an idle client connection is kept open",
+    "kv_events_endpoint": "replicas' KV events publishers: tcp://{host}:5557 ({host} = the replica's address) "
+                          "or, repeated, REPLICA_URL=tcp://ADDR:PORT; turns on precise routing",
+    "kv_events_replay_endpoint": "replicas' KV events replay sockets, in the same forms (fills sequence gaps)",
+    "kv_events_topic": "topic of the KV events messages",
+    "kv_events_bind": "bind the explicit KV events addresses and let the engines connect (a vLLM --kv-events-config "
+                      "endpoint without '*' connects out)",
+    "kv_events_replay_timeout": "seconds to wait for one replayed batch",
+    "kv_events_hold": "seconds a routed prompt's blocks count as held before the engine reports them",
+    "kv_events_max_blocks": "bound on the precise index, in blocks, all replicas together",
+    "tokenizer": "MODEL=DIR: tokenize MODEL's requests with DIR's tokenizer.json and chat template (repeatable)",
+    "tokenize_offload_bytes": "prompts above this many bytes are tokenized off the event loop",
 }
+_REPEATABLE = ("service", "kv_events_endpoint", "kv_events_replay_endpoint", "tokenizer")
 
 
 def _flag(name: str) -> str:
@@ -53,7 +65,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Every GatewayConfig field as a flag (default None, so env and file values show through)."""
     parser.add_argument("--config", help="YAML file with the same settings in snake_case")
     for field in config_fields():
-        action = "append" if field.name == "service" else "store"
+        action = "append" if field.name in _REPEATABLE else "store"
         parser.add_argument(_flag(field.name), dest=field.name, action=action, default=None,
                             help=f"{_HELP[field.name]} (env KVGATE_{field.name.upper()})")
     for section, field in section_fields():
@@ -95,9 +107,14 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
 def _cmd_sim(ns: argparse.Namespace) -> int:
     from kvgate.simulator import serve_fleet, sim_options_from_args
 
-    configure_logging("info")
     ports = [int(p) for p in ns.ports.split(",") if p.strip()]
-    _run(serve_fleet(ports, sim_options_from_args(ns), ns.host))
+    try:
+        options = sim_options_from_args(ns)
+    except ValueError as exc:
+        print(f"kvgate sim: {exc}", file=sys.stderr)
+        return 2
+    configure_logging("info")
+    _run(serve_fleet(ports, options, ns.host))
     return 0
 
 

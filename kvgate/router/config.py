@@ -58,6 +58,15 @@ class GatewayConfig:
     header_timeout: float = 30.0  # seconds a client has to send a request head, from connecting or its first byte
     body_timeout: float = 30.0  # longest silence while a request body arrives; then 408
     keepalive_timeout: float = 3630.0  # idle client connections close; above Envoy's 1 h upstream idle timeout
+    kv_events_endpoint: tuple[str, ...] = ()  # tcp://{host}:5557, or REPLICA_URL=tcp://ADDR:PORT pairs; off when empty
+    kv_events_replay_endpoint: tuple[str, ...] = ()  # the same forms, for the engines' replay sockets
+    kv_events_topic: str = "kv-events"
+    kv_events_bind: bool = False  # kvgate binds the (explicit) addresses and the engines connect to them
+    kv_events_replay_timeout: float = 2.0  # longest wait for one replayed batch
+    kv_events_hold: float = 30.0  # seconds a routed prompt's blocks count as held until the engine reports storing them
+    kv_events_max_blocks: int = 1_000_000  # precise index bound, all replicas together (~260 B each: ~260 MB)
+    tokenizer: tuple[str, ...] = ()  # MODEL=DIR: tokenize that model's requests as vLLM does (precise routing)
+    tokenize_offload_bytes: int = 16384  # prompts larger than this are tokenized on a worker thread
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     priorities: PriorityConfig = field(default_factory=PriorityConfig)
     saturation: SaturationThresholds = field(default_factory=SaturationThresholds)
@@ -234,6 +243,7 @@ def validate(config: GatewayConfig) -> None:
     for name in ("request_timeout", "drain_delay", "drain_timeout", "retries", "picker_fallbacks"):
         if getattr(config, name) < 0:
             raise ConfigError(f"{name}: must not be negative, got {getattr(config, name)}")
+    _validate_kv_events(config)
     if config.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level: expected debug, info, warning or error, got {config.log_level!r}")
     routing = config.routing
@@ -247,6 +257,35 @@ def validate(config: GatewayConfig) -> None:
     if any(w < 0 for w in routing.weights.values()):
         raise ConfigError("routing.weights: weights must not be negative")
     _validate_priorities(config)
+
+
+def tokenizer_dirs(config: GatewayConfig) -> dict[str, str]:
+    """`tokenizer` as model -> directory."""
+    return dict(item.split("=", 1) for item in config.tokenizer)
+
+
+def _validate_kv_events(config: GatewayConfig) -> None:
+    """Check the KV events addresses and the tokenizer settings (the directories are read when the gateway starts)."""
+    from kvgate.endpoints.kv_events import KvEventAddresses, KvEventsAddressError
+
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        try:
+            KvEventAddresses.parse(getattr(config, name), name)
+        except KvEventsAddressError as exc:
+            raise ConfigError(str(exc)) from None
+    for item in config.tokenizer:
+        model, sep, directory = item.partition("=")
+        if not sep or not model or not directory:
+            raise ConfigError(f"tokenizer: expected MODEL=DIR, got {item!r}")
+    if config.kv_events_bind and any("=" not in item for item in config.kv_events_endpoint):
+        raise ConfigError("kv_events_bind: needs explicit REPLICA_URL=tcp://ADDR:PORT pairs, not a template")
+    if config.kv_events_endpoint and not config.tokenizer:
+        raise ConfigError("kv_events_endpoint: precise routing needs --tokenizer MODEL=DIR for the served model(s)")
+    for name in ("kv_events_replay_timeout", "kv_events_max_blocks", "tokenize_offload_bytes"):
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"{name}: must be greater than 0, got {getattr(config, name)}")
+    if config.kv_events_hold < 0:
+        raise ConfigError(f"kv_events_hold: must not be negative, got {config.kv_events_hold}")
 
 
 def _validate_priorities(config: GatewayConfig) -> None:

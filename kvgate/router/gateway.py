@@ -14,21 +14,25 @@ from aiohttp import web
 
 from kvgate.endpoints.discovery import Discovery, StaticDiscovery, parse_endpoint_urls
 from kvgate.endpoints.fleet import Fleet
+from kvgate.endpoints.kv_events import KvEventAddresses, KvEventSubscriber, ReplicaEventStats
 from kvgate.endpoints.model import EndpointState
 from kvgate.endpoints.models import ModelLister
 from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.policies import build_policy
+from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.priorities import PriorityError, classify, fleet_headroom
 from kvgate.policies.types import Decision, Policy
 from kvgate.router.admission import AdmissionQueue
 from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from kvgate.router.ratelimit import RateLimiter
-from kvgate.router.config import GatewayConfig
+from kvgate.engine.tokenizer import TokenizerError
+from kvgate.router.config import ConfigError, GatewayConfig, tokenizer_dirs
 from kvgate.router.errors import GatewayError
-from kvgate.router.metrics import FleetCollector, GatewayMetrics
+from kvgate.router.metrics import FleetCollector, GatewayMetrics, KvEventsCollector
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.proxy import Forwarder, UpstreamTimeouts
 from kvgate.router.requests import ParsedRequest
+from kvgate.router.tokenizing import RequestTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +64,16 @@ class Gateway:
         self.config = config
         self.discovery = discovery
         self.metrics = GatewayMetrics()
-        self.policy: Policy = build_policy(config.policy, config.routing)
+        # Precise routing: what each replica really caches, from its KV events (off without an events address).
+        self.precise = PrecisePrefixIndex(config.kv_events_max_blocks, config.kv_events_hold) \
+            if config.kv_events_endpoint else None
+        self.policy: Policy = build_policy(config.policy, config.routing, self.precise)
+        try:  # token ids serve only the precise index
+            self.tokenizer = RequestTokenizer.load(tokenizer_dirs(config), config.tokenize_offload_bytes) \
+                if config.tokenizer and self.precise is not None else None
+        except TokenizerError as exc:
+            raise ConfigError(f"tokenizer: {exc}") from None
+        self.kv_events: KvEventSubscriber | None = None
         self.draining = False
         self.fleet: Fleet | None = None
         self.forwarder: Forwarder | None = None
@@ -146,6 +159,8 @@ class Gateway:
             index_blocks=lambda: sum(self.policy.index_sizes().values()),
             index_bytes=self.policy.index_bytes,
         ))
+        if self.precise is not None:
+            self.kv_events = self._subscribe_kv_events(self.precise)
         tasks = [asyncio.create_task(coro, name=name) for name, coro in (
             ("discovery", self.discovery.run(self.fleet.apply)),
             ("scraper", self.scraper.run()),
@@ -158,8 +173,23 @@ class Gateway:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.kv_events is not None:
+                await self.kv_events.close()
             await proxy_session.close()
             await poll_session.close()
+
+    def _subscribe_kv_events(self, precise: PrecisePrefixIndex) -> KvEventSubscriber:
+        """Follow every replica's KV events; a replica whose connection drops loses the approximate belief too."""
+        assert self.fleet is not None and self.scraper is not None
+        config, scraper = self.config, self.scraper
+        subscriber = KvEventSubscriber(
+            precise, KvEventAddresses.parse(config.kv_events_endpoint, "kv_events_endpoint"),
+            KvEventAddresses.parse(config.kv_events_replay_endpoint, "kv_events_replay_endpoint"),
+            topic=config.kv_events_topic, replay_timeout_s=config.kv_events_replay_timeout, bind=config.kv_events_bind,
+            capacity_blocks=lambda key: scraper.metrics(key).num_gpu_blocks, on_lost=self.policy.forget)
+        self.fleet.on_endpoints(subscriber.set_endpoints)
+        self.metrics.add_collector(KvEventsCollector(subscriber.stats, precise))
+        return subscriber
 
     def _candidates(self, model: str) -> tuple[EndpointState, ...]:
         """The replicas that may take a request for `model` now."""
@@ -173,6 +203,12 @@ class Gateway:
         if not candidates:
             return float("inf")
         return fleet_headroom(candidates, self.config.saturation, reserve, probe)
+
+    def _describe_events(self, key: str, stats: ReplicaEventStats | None) -> dict[str, Any] | None:
+        """One replica's KV events subscription for /debug/fleet; None when it has no events address."""
+        if stats is None or self.precise is None:
+            return None
+        return {**dataclasses.asdict(stats), **self.precise.describe(key)}
 
     def serves(self, model: str) -> bool:
         """Whether some replica reports serving `model`."""
@@ -188,6 +224,7 @@ class Gateway:
         assert self.fleet is not None
         snapshot = self.fleet.snapshot()
         index = self.policy.index_sizes()
+        events = self.kv_events.stats() if self.kv_events is not None else {}
         endpoints = []
         for state in snapshot.endpoints:
             metrics = state.metrics
@@ -196,6 +233,9 @@ class Gateway:
                 "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
                 "seats": state.seats, "occupied": state.occupied,
                 "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
+                "routing": "precise" if self.precise is not None and self.precise.is_precise(state.key)
+                else "approximate",
+                "kv_events": self._describe_events(state.key, events.get(state.key)),
                 "metrics": {
                     "stale": metrics.stale, "kv_cache_usage": metrics.kv_cache_usage, "running": metrics.running,
                     "waiting": metrics.waiting, "block_size": metrics.block_size,
@@ -204,5 +244,8 @@ class Gateway:
                 },
             })
         return {"draining": self.draining, "ready": self.ready()[0], "policy": self.policy.name,
+                "precise_index": None if self.precise is None else {
+                    "blocks": self.precise.total_blocks, "bytes": self.precise.approx_bytes,
+                    "dropped_blocks": self.precise.dropped_blocks},
                 "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
                 "queue": self.admission.describe() if self.admission else None}

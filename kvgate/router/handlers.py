@@ -49,6 +49,8 @@ class Handlers:
             raw = await self._read_body(request)
             parsed = parse_request(request.path, raw, priority_class, gateway.config.routing,
                                    fairness_id(request.headers))
+            if gateway.tokenizer is not None:
+                parsed = await gateway.tokenizer.tokenize(parsed)
             model = parsed.info.model
             if key is not None:
                 gateway.limiter.admit(key, estimate_tokens(parsed))

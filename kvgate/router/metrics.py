@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from kvgate.endpoints.discovery import DiscoveryStatus
+from kvgate.endpoints.kv_events import ReplicaEventStats
 from kvgate.endpoints.model import EndpointState
+from kvgate.policies.precise_index import PrecisePrefixIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -102,3 +104,42 @@ class FleetCollector(Collector):
                                 value=self._index_blocks())
         yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",
                                 value=self._index_bytes())
+
+
+class KvEventsCollector(Collector):
+    """Reads each replica's KV events subscription and the precise index at scrape time."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, ReplicaEventStats]], index: PrecisePrefixIndex) -> None:
+        self._stats = stats
+        self._index = index
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Yield per-replica event counters and precise-state gauges, and the index's size."""
+        families = {
+            "events": CounterMetricFamily("kvgate_kv_events_received", "KV cache events received, by replica",
+                                          labels=["replica"]),
+            "gaps": CounterMetricFamily("kvgate_kv_events_gaps", "Sequence gaps in a replica's KV events",
+                                        labels=["replica"]),
+            "restarts": CounterMetricFamily("kvgate_kv_events_restarts", "KV event sequences that started again "
+                                            "(engine restarts)", labels=["replica"]),
+            "replays": CounterMetricFamily("kvgate_kv_events_replays", "Replays requested from a replica",
+                                           labels=["replica"]),
+            "replay_failures": CounterMetricFamily("kvgate_kv_events_replay_failures", "Replays that could not "
+                                                   "fill what was missing", labels=["replica"]),
+        }
+        precise = GaugeMetricFamily("kvgate_kv_events_precise", "1 while a replica is routed on its KV events, "
+                                    "0 while it is routed approximately", labels=["replica"])
+        held = GaugeMetricFamily("kvgate_kv_events_blocks_held", "KV blocks a replica holds according to its events",
+                                 labels=["replica"])
+        for key, stats in self._stats().items():
+            for name, family in families.items():
+                family.add_metric([key], getattr(stats, name))
+            precise.add_metric([key], int(self._index.is_precise(key)))
+            held.add_metric([key], self._index.blocks_held(key))
+        yield from families.values()
+        yield precise
+        yield held
+        yield GaugeMetricFamily("kvgate_precise_index_bytes", "Estimated memory of the precise prefix index",
+                                value=self._index.approx_bytes)
+        yield CounterMetricFamily("kvgate_precise_index_dropped_blocks", "Stored blocks refused by the index's bound",
+                                  value=self._index.dropped_blocks)

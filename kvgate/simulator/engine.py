@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 
+from kvgate.simulator.kv_publisher import KvEventPublisher
 from kvgate.simulator.metrics import EngineMetrics
 from kvgate.simulator.options import SimOptions
 from kvgate.simulator.scheduler import EngineCore, EngineTotals, FinishReason, Sequence
@@ -51,6 +52,7 @@ class AsyncEngine:
         self._task: asyncio.Task[None] | None = None
         self._baseline = EngineTotals()
         self._baseline_evictions = 0
+        self.publisher: KvEventPublisher | None = None  # set when the replica publishes KV events
         metrics.publish(self.core)
 
     def start(self) -> None:
@@ -111,6 +113,20 @@ class AsyncEngine:
         self._baseline = dataclasses.replace(self.core.totals)
         self._baseline_evictions = self.core.cache.evictions
         self.core.reset_prefix_cache()
+        self._publish_events()
+
+    async def restart(self) -> None:
+        """Lose every request and cached block; a new publisher starts its sequence again, as a restarted engine."""
+        self.abort_all()
+        self.core.reset_prefix_cache()
+        self.core.drain_events()  # a restarted engine says nothing about the cache it lost
+        if self.publisher is not None:
+            await self.publisher.restart()
+
+    def _publish_events(self) -> None:
+        events = self.core.drain_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
 
     @property
     def dead(self) -> bool:
@@ -131,6 +147,7 @@ class AsyncEngine:
         step_start = loop.time()
         while True:
             prefill_tokens = core.schedule()
+            self._publish_events()
             metrics.publish(core)
             if not core.running:
                 self._wake.clear()

@@ -38,6 +38,8 @@ class SimFleet:
                 await web.TCPSite(runner, host, port).start()
                 bound_port = runner.addresses[0][1]
                 fleet.replicas.append(replica)
+                if options.kv_events:
+                    await replica.start_kv_events(host, port and bound_port)
                 fleet.urls.append(f"http://{host}:{bound_port}")
                 log.info("sim replica listening url=%s", fleet.urls[-1])
         except BaseException:

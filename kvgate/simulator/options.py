@@ -36,6 +36,14 @@ class SimOptions:
     )
     legacy_cache_metric: bool = _knob(False, "also export vllm:gpu_cache_usage_perc like vLLM 0.10.x")
     startup_seconds: float = _knob(0.0, "model load time before /health and the API answer")
+    tokenizer: str = _knob("", "model directory (tokenizer.json, tokenizer_config.json) to tokenize and render chats "
+                               "with, as vLLM does; default: 4 characters per token and a built-in template")
+    kv_events: bool = _knob(False, "publish KV-cache events over ZMQ as vLLM's --kv-events-config does, hashing "
+                                   "blocks with sha256_cbor seeded by PYTHONHASHSEED (needs --tokenizer)")
+    kv_events_port_offset: int = _knob(1000, "KV events publisher port = HTTP port + offset, replay port = HTTP "
+                                             "port + 2 x offset (both ephemeral when the HTTP port is)")
+    kv_events_topic: str = _knob("kv-events", "topic frame of every KV events message")
+    kv_events_buffer: int = _knob(10_000, "event batches kept for replay (vLLM's buffer_steps)")
 
     def __post_init__(self) -> None:
         problems = []
@@ -57,6 +65,10 @@ class SimOptions:
         for name in ("prefill_seconds_per_token", "decode_step_seconds", "decode_seconds_per_seq", "startup_seconds"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_events and not self.tokenizer:
+            problems.append("kv_events needs a tokenizer directory: events carry real token ids")
+        if self.kv_events_buffer < 1 or self.kv_events_port_offset < 1:
+            problems.append("kv_events_buffer and kv_events_port_offset must be >= 1")
         if self.speed <= 0:
             problems.append(f"speed must be > 0, got {self.speed}")
         # vLLM refuses to start when one full-length sequence cannot fit in the KV cache.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from kvgate.engine.tokenizer import EngineTokenizer, TokenizerError
 from kvgate.simulator.options import SimOptions
 from kvgate.simulator.tokens import TokenSeq, render_chat
 
@@ -110,12 +111,19 @@ def _token_ids(values: list[Any]) -> TokenSeq:
     return TokenSeq.from_ids(values)
 
 
-def _prompts(value: Any, name: str) -> list[TokenSeq]:
+def _text_tokens(text: str, tokenizer: EngineTokenizer | None, add_special_tokens: bool = True) -> TokenSeq:
+    """A text prompt's tokens: the model's tokenizer when the replica has one, else 4 characters per token."""
+    if tokenizer is None:
+        return TokenSeq.from_text(text)
+    return TokenSeq.from_ids(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _prompts(value: Any, name: str, tokenizer: EngineTokenizer | None = None) -> list[TokenSeq]:
     """Parse a prompt/input field: a string, strings, token ids, or lists of token ids."""
     if isinstance(value, str):
-        prompts = [TokenSeq.from_text(value)]
+        prompts = [_text_tokens(value, tokenizer)]
     elif isinstance(value, list) and value and all(isinstance(item, str) for item in value):
-        prompts = [TokenSeq.from_text(item) for item in value]
+        prompts = [_text_tokens(item, tokenizer) for item in value]
     elif isinstance(value, list) and value and all(isinstance(item, list) for item in value):
         prompts = [_token_ids(item) for item in value]
     elif isinstance(value, list) and value:
@@ -177,11 +185,17 @@ def _generation(
     )
 
 
-def parse_chat(body: dict[str, Any], options: SimOptions) -> GenerationRequest:
+def parse_chat(body: dict[str, Any], options: SimOptions, tokenizer: EngineTokenizer | None = None) -> GenerationRequest:
     """Validate a /v1/chat/completions body."""
     messages = _validate_messages(body.get("messages"))
     tools = _typed(body, "tools", list)
-    prompt = TokenSeq.from_text(render_chat(messages, tools))
+    if tokenizer is None:
+        prompt = TokenSeq.from_text(render_chat(messages, tools))
+    else:
+        try:
+            prompt = TokenSeq.from_ids(tokenizer.chat_ids(body))
+        except TokenizerError as exc:
+            raise _bad_request(str(exc)) from None
     # max_completion_tokens supersedes the deprecated max_tokens.
     requested = _typed(body, "max_completion_tokens", int)
     if requested is None:
@@ -189,16 +203,18 @@ def parse_chat(body: dict[str, Any], options: SimOptions) -> GenerationRequest:
     return _generation(body, options, [prompt], requested)
 
 
-def parse_completion(body: dict[str, Any], options: SimOptions) -> GenerationRequest:
+def parse_completion(body: dict[str, Any], options: SimOptions,
+                     tokenizer: EngineTokenizer | None = None) -> GenerationRequest:
     """Validate a /v1/completions body."""
-    prompts = _prompts(body.get("prompt"), "prompt")
+    prompts = _prompts(body.get("prompt"), "prompt", tokenizer)
     return _generation(body, options, prompts, _typed(body, "max_tokens", int))
 
 
-def parse_embedding(body: dict[str, Any], options: SimOptions) -> GenerationRequest:
+def parse_embedding(body: dict[str, Any], options: SimOptions,
+                    tokenizer: EngineTokenizer | None = None) -> GenerationRequest:
     """Validate a /v1/embeddings body: prefill-only sequences."""
     model, lora = _resolve_model(body, options)
-    prompts = _prompts(body.get("input"), "input")
+    prompts = _prompts(body.get("input"), "input", tokenizer)
     for prompt in prompts:
         if len(prompt) > options.max_model_len:
             raise _bad_request(

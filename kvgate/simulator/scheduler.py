@@ -10,7 +10,8 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from kvgate.simulator.kv_cache import PrefixCache, extend_block_hashes
+from kvgate.engine.kv_events import BlockStored, KvEvent
+from kvgate.simulator.kv_cache import PrefixCache, Sha256CborHasher, extend_block_hashes
 from kvgate.simulator.options import SimOptions
 from kvgate.simulator.tokens import TokenSeq, output_token
 
@@ -53,6 +54,7 @@ class Sequence:
     last_token_time: float | None = None
     last_token_gap: float | None = None  # inter-token latency of the newest token
     block_hashes: list[int] = field(default_factory=list)
+    block_digests: list[bytes] = field(default_factory=list)  # full sha256_cbor digests, with KV events on
     held: list[int | None] = field(default_factory=list)  # pinned blocks: cached hash or None (private)
     settled_blocks: int = 0  # leading full blocks already published to the cache or left private
     arrival_order: int = 0
@@ -92,7 +94,10 @@ class EngineCore:
     def __init__(self, options: SimOptions) -> None:
         self._options = options
         self._block_size = options.block_size
-        self.cache = PrefixCache(options.num_gpu_blocks, options.enable_prefix_caching)
+        # KV events: what the cache stored and evicted since the engine loop last published them.
+        self.events: list[KvEvent] | None = [] if options.kv_events else None
+        self._hasher = Sha256CborHasher() if options.kv_events else None
+        self.cache = PrefixCache(options.num_gpu_blocks, options.enable_prefix_caching, self.events)
         self.totals = EngineTotals()
         self.running: list[Sequence] = []
         self._waiting: list[Sequence] = []  # kept sorted by _queue_key
@@ -125,7 +130,7 @@ class EngineCore:
         seq.arrival_order = next(self._arrivals)
         seq.num_prompt_tokens = len(seq.tokens)
         seq.seed = seq.tokens.digest()
-        extend_block_hashes(seq.block_hashes, seq.tokens, self._block_size, seq.lora, seq.cache_salt)
+        self._hash_blocks(seq)
         self.totals.requests += 1
         self.totals.prompt_tokens += seq.num_prompt_tokens
         bisect.insort(self._waiting, seq, key=self._queue_key)
@@ -257,11 +262,51 @@ class EngineCore:
             self.cache.allocate()
             seq.held.append(None)
         full_blocks = len(seq.tokens) // self._block_size
-        extend_block_hashes(seq.block_hashes, seq.tokens, self._block_size, seq.lora, seq.cache_salt)
+        self._hash_blocks(seq)
+        stored: list[int] = []
         for index in range(seq.settled_blocks, full_blocks):
             if seq.held[index] is None and self.cache.register(seq.block_hashes[index]):
                 seq.held[index] = seq.block_hashes[index]
+                stored.append(index)
         seq.settled_blocks = full_blocks
+        if self.events is not None and stored:
+            self._report_stored(seq, stored)
+
+    def _hash_blocks(self, seq: Sequence) -> None:
+        """Hash the sequence's new full blocks: sha256_cbor as vLLM does when KV events are on, else xxh3."""
+        if self._hasher is not None:
+            self._hasher.extend(seq.block_hashes, seq.block_digests, seq.tokens, self._block_size, seq.lora,
+                                seq.cache_salt)
+        else:
+            extend_block_hashes(seq.block_hashes, seq.tokens, self._block_size, seq.lora, seq.cache_salt)
+
+    def _report_stored(self, seq: Sequence, indices: list[int]) -> None:
+        """One BlockStored event per run of consecutive newly cached blocks, as vLLM reports them."""
+        assert self.events is not None
+        size = self._block_size
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first, last = run[0], run[-1]
+            extra = [tuple(k for k in (seq.lora, seq.cache_salt if index == 0 else None) if k) or None
+                     for index in run]
+            self.events.append(BlockStored(
+                block_hashes=tuple(seq.block_hashes[first:last + 1]),
+                parent_block_hash=seq.block_hashes[first - 1] if first else None,
+                token_ids=seq.tokens.ids(first * size, (last + 1) * size), block_size=size,
+                lora_name=seq.lora, extra_keys=tuple(extra), medium="GPU"))
+
+    def drain_events(self) -> list[KvEvent]:
+        """The KV events since the last call (none when KV events are off)."""
+        if not self.events:
+            return []
+        drained = list(self.events)
+        self.events.clear()
+        return drained
 
     def _free(self, seq: Sequence) -> None:
         self.cache.release(seq.held)

@@ -13,7 +13,9 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvgate.engine.tokenizer import EngineTokenizer
 from kvgate.simulator.engine import AsyncEngine, Generation
+from kvgate.simulator.kv_publisher import KvEventPublisher
 from kvgate.simulator.metrics import EngineMetrics
 from kvgate.simulator.options import SimOptions
 from kvgate.simulator.protocol import ApiError, GenerationRequest, parse_chat, parse_completion, parse_embedding
@@ -60,6 +62,7 @@ class SimReplica:
         self.options = options
         self._metrics = EngineMetrics(options, str(engine_index))
         self._engine = AsyncEngine(options, self._metrics)
+        self._tokenizer = EngineTokenizer.load(options.tokenizer) if options.tokenizer else None
         self._ready = asyncio.Event()
         self._shutting_down = False
         self._in_flight = 0
@@ -81,6 +84,8 @@ class SimReplica:
         app.router.add_get("/metrics", self._metrics_page)
         app.router.add_get("/sim/stats", self._stats)
         app.router.add_post("/sim/reset", self._reset)
+        app.router.add_post("/sim/restart", self._restart)
+        app.router.add_post("/sim/kv-events/drop", self._drop_events)
         app.cleanup_ctx.append(self._engine_lifecycle)
         # on_shutdown runs before aiohttp waits for open handlers: aborting lets open streams end now.
         app.on_shutdown.append(self._abort_in_flight)
@@ -109,12 +114,35 @@ class SimReplica:
         """Zero the stats counters and clear the prefix cache."""
         self._engine.reset()
 
+    @property
+    def kv_events(self) -> KvEventPublisher | None:
+        """The KV events publisher, once started."""
+        return self._engine.publisher
+
+    async def start_kv_events(self, host: str, http_port: int) -> None:
+        """Publish KV events on HTTP port + offset, replays on + 2 x offset (ephemeral for port 0)."""
+        offset = self.options.kv_events_port_offset
+        publisher = KvEventPublisher(self.options.kv_events_topic, self.options.kv_events_buffer)
+        port, replay_port = (http_port + offset, http_port + 2 * offset) if http_port else (0, 0)
+        await publisher.start(host, port, replay_port)
+        self._engine.publisher = publisher
+
+    def cached_block_hashes(self) -> frozenset[int]:
+        """The hashes of the blocks the replica's prefix cache holds (what its KV events describe)."""
+        return self._engine.core.cache.cached_hashes()
+
+    async def restart_engine(self) -> None:
+        """Empty the cache and restart the event publisher (sockets and sequence), as an engine restart does."""
+        await self._engine.restart()
+
     async def _engine_lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         self._engine.start()
         loader = asyncio.create_task(self._load_model())
         yield
         loader.cancel()
         await self._engine.stop()
+        if self._engine.publisher is not None:
+            await self._engine.publisher.stop()
 
     async def _load_model(self) -> None:
         await asyncio.sleep(self.options.scaled(self.options.startup_seconds))
@@ -159,16 +187,28 @@ class SimReplica:
         self.reset()
         return _json(self.stats())
 
+    async def _restart(self, request: web.Request) -> web.Response:
+        await self.restart_engine()
+        return _json(self.stats())
+
+    async def _drop_events(self, request: web.Request) -> web.Response:
+        """Lose the next `count` event batches on the wire (they stay replayable)."""
+        if self.kv_events is None:
+            return _json({"error": "KV events are off"}, HTTPStatus.NOT_FOUND)
+        body = await _read_json(request)
+        self.kv_events.drop_next(int(body.get("count", 1)))
+        return _json({"dropping": int(body.get("count", 1))})
+
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat(await _read_json(request), self.options), ChatFormat)
+        params = parse_chat(await _read_json(request), self.options, self._tokenizer)
+        return await self._generate(request, params, ChatFormat)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(
-            request, parse_completion(await _read_json(request), self.options), CompletionFormat
-        )
+        params = parse_completion(await _read_json(request), self.options, self._tokenizer)
+        return await self._generate(request, params, CompletionFormat)
 
     async def _embeddings(self, request: web.Request) -> web.Response:
-        params = parse_embedding(await _read_json(request), self.options)
+        params = parse_embedding(await _read_json(request), self.options, self._tokenizer)
         generation = self._submit(params)
         await self._await_generation(generation)
         data = [

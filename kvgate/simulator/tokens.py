@@ -6,6 +6,7 @@ xxhash call over a slice, which keeps 200 KB prompts cheap.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,6 +56,12 @@ class TokenSeq:
     def span(self, start: int, stop: int) -> bytes:
         """The raw bytes of tokens [start, stop)."""
         return bytes(self._data[start * self._width : stop * self._width])
+
+    def ids(self, start: int, stop: int) -> tuple[int, ...]:
+        """Token ids [start, stop) of a sequence built from ids (a real tokenizer's output)."""
+        if self._width != _ID_TOKEN_WIDTH:
+            raise ValueError("text tokens have no ids; give the simulator a tokenizer")
+        return tuple(array("I", self.span(start, stop)))  # little-endian records, read on little-endian hosts
 
     def digest(self) -> int:
         """A 64-bit hash of the whole sequence."""

@@ -64,6 +64,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm", action="store_true",
                         help=f"real vLLM engines (the CPU build, one per core) instead of simulated replicas; the "
                              f"interpreter with vLLM comes from {VLLM_PYTHON_ENV} (./dev real creates .venv-vllm)")
+    parser.add_argument("--precise", action="store_true",
+                        help="simulated replicas tokenize with a tiny local model and publish KV events: adds a "
+                             "pressure oracle and cache-aware rows routed on the events")
     parser.add_argument("--docs", type=Path, help="also write the tables into this Markdown file's routing section")
     parser.add_argument("--strict", action="store_true", help="exit 1 when any target is missed")
     workload = parser.add_argument_group("workload (defaults: a ~5 minute run; --quick: seconds)")
@@ -85,6 +88,8 @@ def settings_from_args(ns: argparse.Namespace) -> BenchSettings:
         raise ValueError(f"--cache-fraction must be > 0, got {ns.cache_fraction}")
     if ns.vllm and vllm_python() is None:
         raise ValueError(f"--vllm needs {VLLM_PYTHON_ENV}: an interpreter with vLLM installed (./dev real makes one)")
+    if ns.vllm and ns.precise:
+        raise ValueError("--precise runs on simulated replicas; real engines publishing KV events are not wired in yet")
     return BenchSettings(
         workload=workload,
         skews=SKEWS if ns.skew == "both" else (ns.skew,),
@@ -96,6 +101,7 @@ def settings_from_args(ns: argparse.Namespace) -> BenchSettings:
         sim=SimOptions(speed=ns.speed),
         out_dir=ns.out,
         vllm_python=vllm_python() if ns.vllm else None,
+        tokenizer_dir=ns.out / "tiny-model" if ns.precise else None,
     )
 
 
@@ -143,6 +149,10 @@ def run_from_args(ns: argparse.Namespace, command: str) -> int:
         print(f"bench: {exc}", file=sys.stderr)
         return 2
     settings.out_dir.mkdir(parents=True, exist_ok=True)
+    if settings.tokenizer_dir is not None:
+        from kvgate.loadtest.tiny_model import write_tiny_model
+
+        write_tiny_model(settings.tokenizer_dir)
     try:
         scenarios = asyncio.run(run_bench(settings, _progress))
     except ProcessError as exc:

@@ -30,3 +30,21 @@ async def read_decisions(session: aiohttp.ClientSession, urls: Sequence[str]) ->
             if sample.name.endswith("_total"):
                 totals[sample.labels["reason"]] += int(sample.value)
     return dict(totals)
+
+
+async def wait_kv_events(session: aiohttp.ClientSession, urls: Sequence[str], precise: bool,
+                         timeout: float = 60.0) -> None:
+    """Wait until every gateway at `urls` is connected to every replica's KV events, and with `precise` until it
+    routes every replica on them (its replays are over and it has seen the reset's AllBlocksCleared)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    for url in urls:
+        while True:
+            async with session.get(url + "/debug/fleet") as response:
+                endpoints = (await response.json())["endpoints"]
+            if all(e["kv_events"] and e["kv_events"]["connected"] and (not precise or e["routing"] == "precise")
+                   for e in endpoints):
+                break
+            if loop.time() > deadline:
+                raise TimeoutError(f"{url}: KV events not {'precise' if precise else 'connected'} in {timeout:.0f}s")
+            await asyncio.sleep(0.05)

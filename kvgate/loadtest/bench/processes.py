@@ -138,6 +138,17 @@ async def start_gateway(name: str, policy: str, endpoints: Sequence[str], log_di
     return child, url
 
 
+def precise_args(endpoints: Sequence[str], options: SimOptions, tokenizer_dir: Path) -> list[str]:
+    """`kvgate serve` flags that subscribe to each simulated replica's KV events and tokenize as it does."""
+    args = []
+    for url in endpoints:
+        port = int(url.rpartition(":")[2])
+        offset = options.kv_events_port_offset
+        args += ["--kv-events-endpoint", f"{url}=tcp://{HOST}:{port + offset}",
+                 "--kv-events-replay-endpoint", f"{url}=tcp://{HOST}:{port + 2 * offset}"]
+    return [*args, "--tokenizer", f"{options.models[0]}={tokenizer_dir}"]
+
+
 def external_argv(template: str, workers: Sequence[str], port: int) -> list[str]:
     """An external router's command line: `{workers}` becomes space-separated URLs, `{port}` its port."""
     return shlex.split(template.format(workers=" ".join(workers), port=port))

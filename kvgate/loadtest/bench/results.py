@@ -10,6 +10,7 @@ from kvgate.loadtest.bench.sim_probe import LoadSeries
 from kvgate.loadtest.bench.workload import WorkloadSpec
 
 ORACLE = "oracle"
+PRESSURE_ORACLE = "pressure oracle"  # one replica with the whole fleet's cache (precise routing's ceiling)
 KVGATE = "kvgate"
 EXTERNAL = "external"
 BASELINE_POLICY = "round-robin"
@@ -24,6 +25,7 @@ class RowPlan:
     policy: str | None = None  # kvgate policy
     gateways: int = 1  # kvgate processes sharing the traffic by client-side round robin
     template: str | None = None  # external router command line
+    precise: bool = False  # kvgate routes on the replicas' KV events (tokenizing as they do)
 
     @property
     def is_baseline(self) -> bool:

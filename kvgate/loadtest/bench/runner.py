@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -12,12 +13,27 @@ from pathlib import Path
 import aiohttp
 
 from kvgate.loadtest.bench.client import ConversationDriver, RequestSample
-from kvgate.loadtest.bench.gateway_probe import read_decisions
-from kvgate.loadtest.bench.processes import ProcessError, start_external, start_gateway, start_sim_fleet
-from kvgate.loadtest.bench.results import BASELINE_POLICY, EXTERNAL, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
+from kvgate.loadtest.bench.gateway_probe import read_decisions, wait_kv_events
+from kvgate.loadtest.bench.processes import (
+    ProcessError,
+    precise_args,
+    start_external,
+    start_gateway,
+    start_sim_fleet,
+)
+from kvgate.loadtest.bench.results import (
+    BASELINE_POLICY,
+    EXTERNAL,
+    KVGATE,
+    ORACLE,
+    PRESSURE_ORACLE,
+    RowPlan,
+    RowRun,
+    ScenarioRun,
+)
 from kvgate.loadtest.bench.sim_probe import LoadSampler, ReplicaProbe, SimProbe
+from kvgate.loadtest.bench.sizing import fleet_options, oracle_options, pressure_oracle_options
 from kvgate.loadtest.bench.vllm_fleet import VllmProbe, vllm_fleet
-from kvgate.loadtest.bench.sizing import fleet_options, oracle_options
 from kvgate.loadtest.bench.workload import Conversation, WorkloadSpec, build_conversations
 from kvgate.simulator import SimOptions
 
@@ -41,14 +57,29 @@ class BenchSettings:
     sim: SimOptions  # timing knobs every simulated replica shares
     out_dir: Path
     vllm_python: str | None = None  # real vLLM engines (this interpreter has vLLM) instead of simulated replicas
+    # Precise routing rows (simulated replicas): they tokenize with this model directory and publish KV events.
+    tokenizer_dir: Path | None = None
+
+    @property
+    def chars_per_token(self) -> float:
+        """For sizing: the simulator's own 4, or a conservative 3 for a real (byte-level BPE) tokenizer."""
+        return 3.0 if self.tokenizer_dir else 4.0
 
     def fleet_options(self) -> SimOptions:
-        """Settings of each fleet replica."""
-        return fleet_options(self.workload, self.sim, self.cache_fraction)
+        """Settings of each fleet replica (publishing KV events in precise mode)."""
+        options = fleet_options(self.workload, self.sim, self.cache_fraction, self.chars_per_token)
+        if self.tokenizer_dir is None:
+            return options
+        return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir), kv_events=True)
 
     def oracle_options(self) -> SimOptions:
         """Settings of the oracle replica."""
-        return oracle_options(self.workload, self.sim)
+        options = oracle_options(self.workload, self.sim, self.chars_per_token)
+        return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir)) if self.tokenizer_dir else options
+
+    def pressure_oracle_options(self) -> SimOptions:
+        """Settings of the pressure oracle: one replica with the whole fleet's cache."""
+        return pressure_oracle_options(self.fleet_options(), self.replicas)
 
 
 def plan_rows(settings: BenchSettings) -> list[RowPlan]:
@@ -58,6 +89,12 @@ def plan_rows(settings: BenchSettings) -> list[RowPlan]:
     if settings.gateways > 1:
         rows.append(RowPlan(f"cache-aware x{settings.gateways}", KVGATE, policy="cache-aware",
                             gateways=settings.gateways))
+    if settings.tokenizer_dir is not None:
+        rows.insert(1, RowPlan(PRESSURE_ORACLE, PRESSURE_ORACLE))
+        rows.append(RowPlan("cache-aware precise", KVGATE, policy="cache-aware", precise=True))
+        if settings.gateways > 1:
+            rows.append(RowPlan(f"cache-aware precise x{settings.gateways}", KVGATE, policy="cache-aware",
+                                gateways=settings.gateways, precise=True))
     rows += [RowPlan(name, EXTERNAL, template=template) for name, template in settings.externals]
     return rows
 
@@ -68,18 +105,22 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
     plans = plan_rows(settings)
     scenarios: list[ScenarioRun] = []
     async with AsyncExitStack() as stack:
-        fleet_urls, oracle_urls, probe = await stack.enter_async_context(_replicas(settings, log_dir))
+        fleet_urls, direct, probe = await stack.enter_async_context(_replicas(settings, log_dir))
         session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
         for skew in settings.skews:
             spec = settings.workload.with_skew(skew)
             scenario = ScenarioRun(spec)
             conversations = build_conversations(spec)
             for plan in plans:
-                sim_urls = oracle_urls if plan.kind == ORACLE else fleet_urls
+                sim_urls = direct.get(plan.kind, fleet_urls)
                 row = RowRun(plan)
                 try:
-                    async with _routers(plan, fleet_urls, log_dir, skew) as targets:
+                    async with _routers(plan, fleet_urls, log_dir, skew, settings) as targets:
+                        if plan.precise:
+                            await wait_kv_events(session, targets, precise=False)  # so the reset is seen
                         await probe.reset(session, sim_urls)
+                        if plan.precise:
+                            await wait_kv_events(session, targets, precise=True)
                         await _measure(row, session, sim_urls, targets or sim_urls, spec, conversations, probe,
                                        _Ticker(f"{skew}/{plan.name}", progress))
                         if plan.kind == KVGATE:
@@ -94,34 +135,40 @@ async def run_bench(settings: BenchSettings, progress: Progress) -> list[Scenari
 
 
 @asynccontextmanager
-async def _replicas(settings: BenchSettings, log_dir: Path) -> AsyncIterator[tuple[list[str], list[str], ReplicaProbe]]:
-    """The fleet's and the oracle's URLs, and how to read them: simulated replicas, or real vLLM engines."""
+async def _replicas(settings: BenchSettings,
+                    log_dir: Path) -> AsyncIterator[tuple[list[str], dict[str, list[str]], ReplicaProbe]]:
+    """The fleet's URLs, the oracles' (by row kind), and how to read them: simulated replicas, or real engines."""
     if settings.vllm_python is not None:
         async with vllm_fleet(settings.workload, settings.replicas, settings.cache_fraction, settings.vllm_python,
                               settings.out_dir / "vllm") as (fleet_urls, oracle_urls, _):
-            yield fleet_urls, oracle_urls, VllmProbe()
+            yield fleet_urls, {ORACLE: oracle_urls}, VllmProbe()
         return
-    fleet, fleet_urls = await start_sim_fleet("sim-fleet", settings.replicas, settings.fleet_options(), log_dir)
-    try:
+    async with AsyncExitStack() as stack:
+        fleet, fleet_urls = await start_sim_fleet("sim-fleet", settings.replicas, settings.fleet_options(), log_dir)
+        stack.push_async_callback(fleet.stop)
         oracle, oracle_urls = await start_sim_fleet("sim-oracle", 1, settings.oracle_options(), log_dir)
-        try:
-            yield fleet_urls, oracle_urls, SimProbe()
-        finally:
-            await oracle.stop()
-    finally:
-        await fleet.stop()
+        stack.push_async_callback(oracle.stop)
+        direct = {ORACLE: oracle_urls}  # rows whose traffic goes straight to their own replica
+        if settings.tokenizer_dir is not None:
+            pressure, direct[PRESSURE_ORACLE] = await start_sim_fleet(
+                "sim-pressure-oracle", 1, settings.pressure_oracle_options(), log_dir)
+            stack.push_async_callback(pressure.stop)
+        yield fleet_urls, direct, SimProbe()
 
 
 @asynccontextmanager
-async def _routers(plan: RowPlan, workers: Sequence[str], log_dir: Path, skew: str) -> AsyncIterator[list[str]]:
-    """Start the row's router processes; yields their base URLs (none for the oracle: traffic goes direct)."""
+async def _routers(plan: RowPlan, workers: Sequence[str], log_dir: Path, skew: str,
+                   settings: BenchSettings) -> AsyncIterator[list[str]]:
+    """Start the row's router processes; yields their base URLs (none for the oracles: traffic goes direct)."""
     async with AsyncExitStack() as stack:
         urls: list[str] = []
-        for index in range(plan.gateways if plan.kind != ORACLE else 0):
+        extra = precise_args(workers, settings.fleet_options(), settings.tokenizer_dir) \
+            if plan.precise and settings.tokenizer_dir else []
+        for index in range(plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0):
             name = f"{skew}-{plan.name}-{index}".replace(" ", "")
             if plan.kind == KVGATE:
                 assert plan.policy is not None
-                child, url = await start_gateway(name, plan.policy, workers, log_dir)
+                child, url = await start_gateway(name, plan.policy, workers, log_dir, extra)
             else:
                 assert plan.template is not None
                 child, url = await start_external(name, plan.template, workers, log_dir)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kvgate.loadtest.bench.workload import PrefixFootprint, WorkloadSpec
+from kvgate.loadtest.bench.workload import CHARS_PER_TOKEN, PrefixFootprint, WorkloadSpec
 from kvgate.simulator import SimOptions
 
 
@@ -14,21 +14,23 @@ def _model_len(footprint: PrefixFootprint, block_size: int) -> int:
     return math.ceil(footprint.longest_request_tokens / block_size) * block_size
 
 
-def prefixes_in_play(spec: WorkloadSpec, block_size: int) -> int:
+def prefixes_in_play(spec: WorkloadSpec, block_size: int, chars_per_token: float = CHARS_PER_TOKEN) -> int:
     """Blocks of the distinct prefixes live at once: every tenant's system prompt and every open conversation."""
-    footprint = PrefixFootprint.of(spec, block_size)
+    footprint = PrefixFootprint.of(spec, block_size, chars_per_token)
     return footprint.all_system_prompts(spec) + spec.concurrency * footprint.history_blocks
 
 
-def fleet_options(spec: WorkloadSpec, base: SimOptions, cache_fraction: float) -> SimOptions:
+def fleet_options(spec: WorkloadSpec, base: SimOptions, cache_fraction: float,
+                  chars_per_token: float = CHARS_PER_TOKEN) -> SimOptions:
     """Replica settings whose KV cache holds `cache_fraction` of the distinct prefixes in play.
 
     At one half, a router that keeps each tenant and conversation on one of three replicas finds its
     prefixes cached, while one that spreads every tenant everywhere keeps evicting them.
     """
-    footprint = PrefixFootprint.of(spec, base.block_size)
+    footprint = PrefixFootprint.of(spec, base.block_size, chars_per_token)
     model_len = _model_len(footprint, base.block_size)
-    blocks = max(math.ceil(cache_fraction * prefixes_in_play(spec, base.block_size)), model_len // base.block_size)
+    in_play = prefixes_in_play(spec, base.block_size, chars_per_token)
+    blocks = max(math.ceil(cache_fraction * in_play), model_len // base.block_size)
     return dataclasses.replace(
         base,
         models=(spec.model,),
@@ -38,9 +40,9 @@ def fleet_options(spec: WorkloadSpec, base: SimOptions, cache_fraction: float) -
     )
 
 
-def oracle_options(spec: WorkloadSpec, base: SimOptions) -> SimOptions:
+def oracle_options(spec: WorkloadSpec, base: SimOptions, chars_per_token: float = CHARS_PER_TOKEN) -> SimOptions:
     """One replica that never evicts a prefix and never queues for a seat: the hit-rate ceiling."""
-    footprint = PrefixFootprint.of(spec, base.block_size)
+    footprint = PrefixFootprint.of(spec, base.block_size, chars_per_token)
     return dataclasses.replace(
         base,
         models=(spec.model,),
@@ -48,6 +50,12 @@ def oracle_options(spec: WorkloadSpec, base: SimOptions) -> SimOptions:
         max_model_len=_model_len(footprint, base.block_size),
         max_num_seqs=2 * spec.concurrency,
     )
+
+
+def pressure_oracle_options(fleet: SimOptions, replicas: int) -> SimOptions:
+    """One replica whose cache and seats equal the whole fleet's: what routing under pressure could at best hit."""
+    return dataclasses.replace(fleet, num_gpu_blocks=replicas * fleet.num_gpu_blocks, kv_events=False,
+                               max_num_seqs=replicas * fleet.max_num_seqs)
 
 
 def sim_flags(options: SimOptions) -> list[str]:

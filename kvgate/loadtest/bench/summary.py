@@ -6,9 +6,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvgate.loadtest.bench.results import ORACLE, RowPlan, RowRun, ScenarioRun
+from kvgate.loadtest.bench.results import ORACLE, PRESSURE_ORACLE, RowPlan, RowRun, ScenarioRun
 
 HIT_SHARE_OF_ORACLE = 0.95
+PRECISE_SHARE_OF_PRESSURE_ORACLE = 0.97
+PRECISE_POINTS_OVER_APPROXIMATE = 0.10
 HIT_POINTS_OVER_BASELINE = 0.40
 MAX_OVER_MEAN_REQUESTS = 1.25
 GATEWAY_SCALE_OUT_LOSS = 0.02
@@ -120,13 +122,28 @@ def _check_row(plan: RowPlan, row: RowSummary, rows: dict[str, RowSummary], base
     if skew == "zipf":
         checks.append(_at_most("max/mean requests <= 1.25", row.max_over_mean, MAX_OVER_MEAN_REQUESTS, "x"))
         checks.append(_at_most("TTFT p99 <= round-robin's", row.ttft_p99, rr.ttft_p99 if rr else None, "ms"))
+    if plan.precise:
+        checks += _precise_checks(row, rows)
     if plan.gateways > 1:
-        # Single-gateway kvgate rows are named after their policy.
-        single = rows.get(plan.policy or "")
+        # Single-gateway kvgate rows are named after their policy (and mode).
+        single = rows.get(f"{plan.policy} precise" if plan.precise else plan.policy or "")
         single_hit = single.hit_rate if single else None
         checks.append(_at_least(f"hit >= 1 gateway - {GATEWAY_SCALE_OUT_LOSS * 100:.0f} pts", row.hit_rate,
                                 None if single_hit is None else single_hit - GATEWAY_SCALE_OUT_LOSS))
     return checks
+
+
+def _precise_checks(row: RowSummary, rows: dict[str, RowSummary]) -> list[TargetCheck]:
+    """Precise routing against the pressure oracle and against the approximate cache-aware row."""
+    pressure, approximate = rows.get(PRESSURE_ORACLE), rows.get("cache-aware")
+    pressure_hit = pressure.hit_rate if pressure else None
+    approximate_hit = approximate.hit_rate if approximate else None
+    return [
+        _at_least(f"hit >= {PRECISE_SHARE_OF_PRESSURE_ORACLE:.0%} of pressure oracle", row.hit_rate,
+                  None if pressure_hit is None else PRECISE_SHARE_OF_PRESSURE_ORACLE * pressure_hit, "%"),
+        _at_least(f"hit >= approximate + {PRECISE_POINTS_OVER_APPROXIMATE * 100:.0f} pts", row.hit_rate,
+                  None if approximate_hit is None else approximate_hit + PRECISE_POINTS_OVER_APPROXIMATE),
+    ]
 
 
 def summarise_scenario(scenario: ScenarioRun) -> list[RowSummary]:
@@ -136,6 +153,6 @@ def summarise_scenario(scenario: ScenarioRun) -> list[RowSummary]:
     by_name = {summary.name: summary for summary in summaries}
     baseline = next((row.plan.name for row in scenario.rows if row.plan.is_baseline), "")
     for row, summary in zip(scenario.rows, summaries, strict=True):
-        if row.plan.kind != ORACLE and not row.plan.is_baseline and row.error is None:
+        if row.plan.kind not in (ORACLE, PRESSURE_ORACLE) and not row.plan.is_baseline and row.error is None:
             summary.targets = _check_row(row.plan, summary, by_name, baseline, scenario.name)
     return summaries

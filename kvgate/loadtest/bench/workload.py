@@ -24,7 +24,7 @@ _TEMPLATE_CHARS_PER_MESSAGE = 60
 # Generated words with their leading space: about 6.5 characters on average, 10 at the longest.
 _MEAN_REPLY_CHARS_PER_TOKEN = 6.5
 _MAX_REPLY_CHARS_PER_TOKEN = 10
-_CHARS_PER_TOKEN = 4
+CHARS_PER_TOKEN = 4  # the simulator's own tokenization
 
 
 def _words(rng: random.Random, chars: int) -> str:
@@ -145,8 +145,8 @@ class PrefixFootprint:
     longest_request_tokens: int  # prompt plus output of the longest possible last turn
 
     @classmethod
-    def of(cls, spec: WorkloadSpec, block_size: int, chars_per_token: float = _CHARS_PER_TOKEN) -> PrefixFootprint:
-        """Estimates from the workload's sizes; four characters per token unless told (the simulator's rate)."""
+    def of(cls, spec: WorkloadSpec, block_size: int, chars_per_token: float = CHARS_PER_TOKEN) -> PrefixFootprint:
+        """Estimates from the workload's sizes at `chars_per_token` (the simulator's own: four)."""
         system_chars = spec.system_prompt_chars + 2 * _TEMPLATE_CHARS_PER_MESSAGE
         typical_turn = spec.user_chars + spec.max_tokens * _MEAN_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
         longest_turn = (

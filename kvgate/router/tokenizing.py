@@ -1,0 +1,51 @@
+"""The request stage that computes a prompt's token ids once, as its engine will, for precise routing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping
+
+from kvgate.engine.tokenizer import EngineTokenizer
+from kvgate.router.requests import ParsedRequest
+
+log = logging.getLogger(__name__)
+
+
+class RequestTokenizer:
+    """Per served model, the engine's tokenizer; long prompts are tokenized on a worker thread."""
+
+    def __init__(self, tokenizers: Mapping[str, EngineTokenizer], offload_bytes: int) -> None:
+        self._tokenizers = dict(tokenizers)
+        self._offload_bytes = offload_bytes
+
+    @classmethod
+    def load(cls, directories: Mapping[str, str], offload_bytes: int) -> RequestTokenizer:
+        """Load each model's tokenizer directory (at start: a bad one stops the gateway)."""
+        return cls({model: EngineTokenizer.load(path) for model, path in directories.items()}, offload_bytes)
+
+    def for_model(self, model: str) -> EngineTokenizer | None:
+        """The model's tokenizer; with a single one configured, it also serves the model's LoRA adapters."""
+        found = self._tokenizers.get(model)
+        if found is None and len(self._tokenizers) == 1:
+            found = next(iter(self._tokenizers.values()))
+        return found
+
+    async def tokenize(self, parsed: ParsedRequest) -> ParsedRequest:
+        """The request with its token ids, or unchanged (routed approximately) when they cannot be computed."""
+        tokenizer = self.for_model(parsed.info.model)
+        if tokenizer is None or parsed.kind not in ("chat", "completion"):
+            return parsed
+        try:
+            if parsed.info.body_bytes > self._offload_bytes:
+                loop = asyncio.get_running_loop()
+                ids = await loop.run_in_executor(None, tokenizer.request_ids, parsed.kind, parsed.body)
+            else:
+                ids = tokenizer.request_ids(parsed.kind, parsed.body)
+        except Exception as exc:  # noqa: BLE001 - a body the template or tokenizer refuses: the engine will answer it
+            log.debug("tokenization failed model=%s: %s", parsed.info.model, exc)
+            return parsed
+        if not ids:
+            return parsed
+        return dataclasses.replace(parsed, info=dataclasses.replace(parsed.info, token_ids=tuple(ids)))
