@@ -1,13 +1,14 @@
 """Real vLLM OpenAI servers (the CPU build) on loopback, for the real-engine suite and benchmarks.
 
 Each engine is its own process group, pinned to one core, with every temporary file (IPC sockets, caches,
-the torch inductor cache, its log) inside a directory of the caller's; `stop` sends SIGTERM, then SIGKILL.
+the torch inductor cache, its log) inside a directory of the caller's; `stop` sends SIGTERM, then SIGKILL. (No
+parent-death signal: Linux ties it to the starting thread, and engines restarted from a worker thread would die
+with that thread.)
 The interpreter comes from `KVGATE_VLLM_PYTHON` (`./dev real` creates `.venv-vllm` and sets it).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -20,11 +21,6 @@ from pathlib import Path
 
 VLLM_PYTHON_ENV = "KVGATE_VLLM_PYTHON"
 HASH_SEED = "0"  # PYTHONHASHSEED of every engine: sha256_cbor block hashes are then the same on every run
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the process that started it dies (Linux prctl PR_SET_PDEATHSIG)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def vllm_python() -> str | None:
@@ -112,8 +108,7 @@ class VllmEngine:
                "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}  # fmt: skip
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(self.spec.argv(self.python), env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir,
-                                            preexec_fn=_die_with_parent)
+                                            stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.workdir)
 
     def wait_ready(self, timeout: float = 180.0) -> None:
         """Block until `/health` answers 200; raises with the log's tail if the engine dies or is late."""
