@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 from kvgate.loadtest.vllm_metrics_page import DEFAULT_MODEL, EngineLoad, render_vllm_metrics
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from aiohttp import web
 
 from kvgate.endpoints.discovery import Discovery
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 from kvgate.router.config import build_config
 from kvgate.router.gateway import Gateway, default_discovery
 from kvgate.router.server import GatewayServer

@@ -10,7 +10,7 @@ import pytest
 from kvgate.endpoints.inference_pool import InferencePoolWatcher
 from kvgate.endpoints.k8s_pools import read_pool
 from kvgate.endpoints.k8s_watch import ObjectError, WatchSettings
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 from tests.harness import Reports, running, wait_until
 from tests.k8s_api import K8sTestApi, make_objective, make_pod, make_pool
 

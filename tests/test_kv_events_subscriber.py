@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from kvgate.endpoints.kv_events import KvEventAddresses, KvEventSubscriber
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 from kvgate.engine.kv_events import BlockStored, encode_batch, encode_seq
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.simulator import SimFleet, SimOptions

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from kvgate.endpoints.models import ModelLister, model_ids
+from kvgate.endpoints.model_lister import ModelLister, model_ids
 from tests.fake_vllm_replica import models_payload, refused_endpoint
 from tests.harness import wait_until
 

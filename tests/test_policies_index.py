@@ -7,9 +7,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.endpoints.model import ReplicaMetrics
+from kvgate.endpoints.types import ReplicaMetrics
 from kvgate.policies import PrefixIndex, RoutingConfig, index_capacity_blocks
-from kvgate.policies.prefix import chain_hashes
+from kvgate.policies.prefix_keys import chain_hashes
 from kvgate.policies.prefix_index import BYTES_PER_BLOCK
 
 

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 from kvgate.policies import (
     DEFAULT_POLICY,
     POLICY_NAMES,

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvgate.policies import KINDS, RoutingConfig, block_hashes, build_request_info, prompt_parts
-from kvgate.policies.prefix import chain_hashes, prefix_seed
+from kvgate.policies.prefix_keys import chain_hashes, prefix_seed
 
 CONFIG = RoutingConfig()
 BLOCK = CONFIG.block_chars

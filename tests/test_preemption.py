@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import pytest
 
-from kvgate.endpoints.model import Endpoint, EndpointState, ReplicaMetrics
+from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.priorities import PriorityConfig
 from kvgate.policies.types import RequestInfo

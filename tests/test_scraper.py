@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.endpoints.model import UNSCRAPED
+from kvgate.endpoints.types import UNSCRAPED
 from kvgate.endpoints.prometheus_text import select_samples
 from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 
 from kvgate.endpoints.fleet import Fleet
-from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.cache_aware import CacheAwarePolicy
 from kvgate.policies.config import RoutingConfig

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 EndpointsCallback = Callable[[Sequence[Endpoint]], None]
 

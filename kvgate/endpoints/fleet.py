@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
-from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.endpoints.k8s_watch import ObjectError, object_name
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 POOL_GROUP, POOL_VERSION, POOL_PLURAL = "inference.networking.k8s.io", "v1", "inferencepools"
 OBJECTIVE_GROUP, OBJECTIVE_VERSION = "inference.networking.x-k8s.io", "v1alpha2"

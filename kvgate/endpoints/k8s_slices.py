@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgate.endpoints.k8s_watch import ObjectError, object_name
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from kubernetes.aio import config as k8s_config
 from kvgate.endpoints.discovery import DiscoveryStatus, EndpointsCallback
 from kvgate.endpoints.k8s_slices import SERVICE_NAME_LABEL, SliceReader, merge_endpoints
 from kvgate.endpoints.k8s_watch import ResourceWatch, WatchSettings
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 log = logging.getLogger(__name__)
 

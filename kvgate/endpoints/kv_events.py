@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 from kvgate.engine.kv_events import (
     END_OF_REPLAY,
     AllBlocksCleared,

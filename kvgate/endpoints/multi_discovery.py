@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from kvgate.endpoints.discovery import Discovery, DiscoveryStatus, EndpointsCallback, combined_status
 from kvgate.endpoints.k8s_slices import merge_endpoints
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 
 class MultiDiscovery:

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import aiohttp
 
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 # What a poll of a replica may expectedly fail with: refused or reset connections, timeouts,
 # non-200 answers (PollError) and pages that do not parse (ValueError and its subclasses).

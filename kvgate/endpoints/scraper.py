@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 import aiohttp
 
-from kvgate.endpoints.model import UNSCRAPED, Endpoint, ReplicaMetrics
+from kvgate.endpoints.types import UNSCRAPED, Endpoint, ReplicaMetrics
 from kvgate.endpoints.polling import OutageLog, fetch_body, is_current, voided_keys
 from kvgate.endpoints.vllm_metrics import parse_vllm_metrics
 

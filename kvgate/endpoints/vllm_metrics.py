@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 from prometheus_client.samples import Sample
 
-from kvgate.endpoints.model import ReplicaMetrics
+from kvgate.endpoints.types import ReplicaMetrics
 from kvgate.endpoints.prometheus_text import select_samples
 
 KV_USAGE = "vllm:kv_cache_usage_perc"

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from kvgate.endpoints.model import Endpoint, EndpointState, FleetSnapshot
+from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
 from kvgate.engine.kv_events import BlockStored
 from kvgate.engine.tokenizer import EngineTokenizer
 from kvgate.loadtest.tiny_model import write_tiny_model

@@ -6,7 +6,7 @@ from kvgate.policies.filters import BoundedLoadFilter, load_cap
 from kvgate.policies.framework import Cycle, Filter, Picker, Scorer
 from kvgate.policies.least_load import LeastLoadPolicy
 from kvgate.policies.pickers import MaxScorePicker
-from kvgate.policies.prefix import KINDS, block_hashes, build_request_info, prompt_parts
+from kvgate.policies.prefix_keys import KINDS, block_hashes, build_request_info, prompt_parts
 from kvgate.policies.prefix_hash import PrefixHashPolicy
 from kvgate.policies.prefix_index import PrefixIndex, index_capacity_blocks
 from kvgate.policies.profile import SchedulingProfile, build_profile

@@ -23,7 +23,7 @@ per token so that it compares with the approximate belief about the replicas wit
 
 from __future__ import annotations
 
-from kvgate.endpoints.model import EndpointState, FleetSnapshot
+from kvgate.endpoints.types import EndpointState, FleetSnapshot
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.filters import FreeSeatFilter
 from kvgate.policies.framework import Cycle

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.framework import Cycle
 
 

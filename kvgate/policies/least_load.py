@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.endpoints.model import FleetSnapshot
+from kvgate.endpoints.types import FleetSnapshot
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.no_index import NoPrefixIndex
 from kvgate.policies.rendezvous import least_loaded_order, placement_key

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.types import RequestInfo
 
 

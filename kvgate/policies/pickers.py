@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.framework import Cycle
 from kvgate.policies.rendezvous import rendezvous_weight
 

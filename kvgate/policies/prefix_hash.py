@@ -7,7 +7,7 @@ home was at the load cap, "fallback" when every candidate was (only possible wit
 
 from __future__ import annotations
 
-from kvgate.endpoints.model import FleetSnapshot
+from kvgate.endpoints.types import FleetSnapshot
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.filters import load_cap
 from kvgate.policies.no_index import NoPrefixIndex

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvgate.endpoints.model import ReplicaMetrics
+from kvgate.endpoints.types import ReplicaMetrics
 from kvgate.policies.config import RoutingConfig
 
 # Measured with tracemalloc on CPython 3.11: an OrderedDict entry (~105 B) plus its 64-bit int key (~40 B).

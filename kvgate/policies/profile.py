@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.filters import BoundedLoadFilter
 from kvgate.policies.framework import Cycle, Filter, Picker, Scorer

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from xxhash import xxh3_64_intdigest
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.types import RequestInfo
 
 

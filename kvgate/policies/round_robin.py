@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 
-from kvgate.endpoints.model import FleetSnapshot
+from kvgate.endpoints.types import FleetSnapshot
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.no_index import NoPrefixIndex
 from kvgate.policies.types import Decision, RequestInfo

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvgate.endpoints.model import EndpointState, FleetSnapshot
+from kvgate.endpoints.types import EndpointState, FleetSnapshot
 
 
 DEFAULT_FLOW = "default-flow"  # the Inference Extension's fairness id when a request names none

@@ -15,8 +15,8 @@ from aiohttp import web
 from kvgate.endpoints.discovery import Discovery, StaticDiscovery, parse_endpoint_urls
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.kv_events import KvEventAddresses, KvEventSubscriber, ReplicaEventStats
-from kvgate.endpoints.model import EndpointState
-from kvgate.endpoints.models import ModelLister
+from kvgate.endpoints.types import EndpointState
+from kvgate.endpoints.model_lister import ModelLister
 from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.policies import build_policy
 from kvgate.policies.precise_index import PrecisePrefixIndex

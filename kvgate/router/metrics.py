@@ -11,7 +11,7 @@ from prometheus_client.registry import Collector
 
 from kvgate.endpoints.discovery import DiscoveryStatus
 from kvgate.endpoints.kv_events import ReplicaEventStats
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.precise_index import PrecisePrefixIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

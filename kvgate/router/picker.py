@@ -29,7 +29,7 @@ from google.protobuf.struct_pb2 import Struct
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.priorities import fairness_id
 from kvgate.policies.types import Decision
 from kvgate.router.auth import CREDENTIAL_HEADERS, require_key

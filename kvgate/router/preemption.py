@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from kvgate.endpoints.fleet import Fleet
-from kvgate.endpoints.model import EndpointState
+from kvgate.endpoints.types import EndpointState
 from kvgate.policies.types import Decision, Policy
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.headers import forwardable

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgate.endpoints.discovery import DiscoveryStatus, EndpointsCallback
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 
 
 class ReplicaPhase(enum.Enum):

@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvgate.endpoints.model import Endpoint
+from kvgate.endpoints.types import Endpoint
 from kvgate.endpoints.polling import OutageLog, fetch_body, is_current, voided_keys
 
 log = logging.getLogger(__name__)
