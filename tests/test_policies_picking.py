@@ -18,16 +18,14 @@ from kvgate.policies import (
     BoundedLoadFilter,
     CacheAwarePolicy,
     Cycle,
-    KvCacheScorer,
-    LoadScorer,
+    LowestCostPicker,
     Policy,
-    PrefixScorer,
-    QueueScorer,
+    RequestCost,
     RequestInfo,
     RoutingConfig,
     build_policy,
-    build_profile,
     build_request_info,
+    prompt_tokens,
 )
 from kvgate.policies.rendezvous import placement_key, rendezvous_order
 
@@ -60,49 +58,13 @@ def home_of(req: RequestInfo, fleet: FleetSnapshot) -> str:
     return rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[0].key
 
 
+def bound_of(name: str) -> float:
+    """The load bound a policy keeps: cache-aware lets a request that continues cached context go up to a hot spot."""
+    return CONFIG.hot_spot_bound if name == "cache-aware" else CONFIG.load_bound
+
+
 def cycle_for(req: RequestInfo, matched: dict[str, int] | None = None) -> Cycle:
     return Cycle(req, placement_key(req, CONFIG.affinity_blocks), matched or {})
-
-
-metric_states = st.builds(
-    lambda key, in_flight, usage, waiting, stale: state(
-        key, in_flight, kv_cache_usage=usage, waiting=waiting, stale=stale
-    ),
-    st.sampled_from(KEYS),
-    st.integers(0, 50),
-    st.floats(-1.0, 2.0),
-    st.integers(0, 50),
-    st.booleans(),
-)
-
-
-@settings(max_examples=100, deadline=None)
-@given(st.lists(metric_states, min_size=1, max_size=8))
-def test_every_scorer_returns_one_score_in_unit_range_per_candidate(states: list[EndpointState]) -> None:
-    req = request(prompt("a"))
-    cycle = cycle_for(req, {states[0].key: 3})
-    for scorer in (PrefixScorer(), KvCacheScorer(), QueueScorer(), LoadScorer()):
-        scores = scorer.score(cycle, states)
-        assert len(scores) == len(states)
-        assert all(0.0 <= score <= 1.0 for score in scores), scorer.name
-
-
-def test_stale_metrics_score_neutral_on_scraped_signals() -> None:
-    fresh_idle = state("a", kv_cache_usage=0.0, waiting=0, stale=False)
-    fresh_busy = state("b", kv_cache_usage=1.0, waiting=10, stale=False)
-    stale = state("c", kv_cache_usage=0.99, waiting=99, stale=True)
-    cycle = cycle_for(request("x"))
-    assert KvCacheScorer().score(cycle, [fresh_idle, fresh_busy, stale]) == [1.0, 0.0, 0.5]
-    assert QueueScorer().score(cycle, [fresh_idle, fresh_busy, stale]) == [1.0, 0.0, 0.5]
-
-
-def test_prefix_and_load_scorers_measure_their_signal() -> None:
-    req = request(prompt("a", blocks=8))
-    cycle = cycle_for(req, {"a": 8, "b": 2})
-    assert PrefixScorer().score(cycle, [state("a"), state("b"), state("c")]) == [1.0, 0.25, 0.0]
-    assert PrefixScorer().score(cycle_for(request("")), [state("a")]) == [0.0]
-    assert LoadScorer().score(cycle, [state("a", 0), state("b", 4), state("c", 2)]) == [1.0, 0.0, 0.5]
-    assert LoadScorer().score(cycle, [state("a", 0), state("b", 0)]) == [1.0, 1.0]
 
 
 @settings(max_examples=200, deadline=None)
@@ -121,15 +83,6 @@ def test_bounded_load_cap_lets_tiny_loads_through() -> None:
     assert len(BoundedLoadFilter(1.25).filter(cycle, [state(k) for k in "abcd"])) == 4
     one_busy = [state("a", 1), state("b"), state("c"), state("d")]
     assert [s.key for s in BoundedLoadFilter(1.25).filter(cycle, one_busy)] == ["b", "c", "d"]
-
-
-def test_profile_is_built_from_weights() -> None:
-    profile = build_profile(RoutingConfig(weights={"prefix": 2.0, "load": 1.0, "queue": 0.0}))
-    assert [(scorer.name, weight) for scorer, weight in profile.scorers] == [("prefix", 2.0), ("load", 1.0)]
-    with pytest.raises(ValueError, match="unknown scorer"):
-        build_profile(RoutingConfig(weights={"prefix": 1.0, "latency": 1.0}))
-    with pytest.raises(ValueError, match=">= 0"):
-        build_profile(RoutingConfig(weights={"prefix": -1.0}))
 
 
 def test_registry_builds_every_policy_by_name() -> None:
@@ -306,7 +259,7 @@ def simulate(policy: Policy, requests: list[RequestInfo], keys: list[str], windo
         policy.record(req, decision.endpoint)
         in_flight[decision.endpoint.key] += 1
         open_requests.append(decision.endpoint.key)
-        assert max(in_flight.values()) <= math.ceil(CONFIG.load_bound * sum(in_flight.values()) / len(keys)) + 1
+        assert max(in_flight.values()) <= math.ceil(bound_of(policy.name) * sum(in_flight.values()) / len(keys)) + 1
         choices.append((decision.endpoint.key, decision.reason))
     return choices
 
@@ -361,7 +314,7 @@ def test_a_hot_prefix_burst_stays_bounded_and_spills_along_its_rendezvous_order(
         policy.record(hot, decision.endpoint)
         in_flight[decision.endpoint.key] += 1
         served[decision.endpoint.key] += 1
-        assert max(in_flight.values()) <= math.ceil(CONFIG.load_bound * sum(in_flight.values()) / len(KEYS)) + 1
+        assert max(in_flight.values()) <= math.ceil(bound_of(name) * sum(in_flight.values()) / len(KEYS)) + 1
     order = [s.key for s in rendezvous_order(placement_key(hot, CONFIG.affinity_blocks), idle_fleet().endpoints)]
     assert set(served) == set(order[: len(served)])  # the next replicas in the prefix's order, no others
     assert len(served) <= 5
@@ -387,3 +340,61 @@ def test_load_slack_keeps_low_loads_home_and_leaves_high_loads_to_the_bound() ->
     assert [s.key for s in BoundedLoadFilter(1.25, slack=2).filter(cycle, high)] == ["b", "c"]
     assert [s.key for s in BoundedLoadFilter(1.25, slack=2).filter(cycle, [state("a", 24), *high[1:]])] == \
         ["a", "b", "c"]
+
+
+def test_cost_is_uncached_prefill_plus_queueing_in_seconds() -> None:
+    config = RoutingConfig(prefill_tokens_per_second=1000.0, queue_seconds_per_request=0.1,
+                           running_seconds_per_request=0.001)
+    cost = RequestCost(config)
+    req = request(prompt("a", blocks=10))  # 640 characters: 160 tokens
+    assert prompt_tokens(req, config) == 160
+    assert cost.seconds(req, {"a": 100}, state("a")) == pytest.approx(0.060)
+    assert cost.seconds(req, {}, state("b", in_flight=5)) == pytest.approx(0.160 + 0.005)
+    # A fresh scrape showing a queue: every seat is taken, so it waits behind the queue and one more.
+    assert cost.seconds(req, {}, state("c", waiting=3, running=8, stale=False, scraped_at=1.0)) == \
+        pytest.approx(0.160 + 0.4 + 0.011)
+    # Its uncached tokens do not fit in the free KV cache: it waits for blocks as for a seat.
+    full = state("d", kv_cache_usage=0.99, block_size=16, num_gpu_blocks=100, stale=False, scraped_at=1.0)
+    assert cost.seconds(req, {}, full) == pytest.approx(0.160 + 0.1)
+
+
+def test_a_replica_a_few_requests_over_the_mean_keeps_the_conversation_it_caches() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    turn1 = tenant_chat("t", prompt("first question", 30))
+    fleet = idle_fleet(KEYS[:3])
+    holder = policy.pick(turn1, fleet).endpoint
+    policy.record(turn1, holder)
+    turn2 = tenant_chat("t", prompt("first question", 30) + "and a follow-up")
+    # 7 in flight against 3 elsewhere: over the bounded-load cap, far from a hot spot.
+    busy = idle_fleet(KEYS[:3], {key: 7 if key == holder.key else 3 for key in KEYS[:3]})
+    assert BoundedLoadFilter(CONFIG.load_bound).filter(cycle_for(turn2), busy.endpoints) != busy.endpoints
+    decision = policy.pick(turn2, busy)
+    assert (decision.reason, decision.endpoint.key) == ("prefix_hit", holder.key)
+    # A new conversation of a tenant whose home that replica is gets placed under the bound instead.
+    newcomer = next(req for i in range(100) if rendezvous_order(
+        placement_key(req := tenant_chat(f"u{i}", "hi"), req.anchor_blocks), busy.endpoints)[0].key == holder.key)
+    decision = policy.pick(newcomer, busy)
+    assert decision.reason == "overflow" and decision.endpoint.key != holder.key
+
+
+def test_a_queue_on_the_holder_moves_a_request_once_waiting_costs_more_than_its_prefill() -> None:
+    config = RoutingConfig(prefill_tokens_per_second=1000.0, queue_seconds_per_request=0.05)
+    policy = CacheAwarePolicy(config)
+    req = request(prompt("context", blocks=10))  # 160 tokens: 0.16 s of prefill elsewhere
+    holder = idle_fleet(KEYS[:2]).endpoints[0]
+    policy.record(req, holder)
+
+    def with_queue(waiting: int) -> FleetSnapshot:
+        return fleet_of(state(holder.key, waiting=waiting, running=4, stale=False, scraped_at=1.0), state(KEYS[1]))
+
+    assert policy.pick(req, with_queue(1)).endpoint.key == holder.key  # 2 x 0.05 s < 0.16 s
+    decision = policy.pick(req, with_queue(4))  # 5 x 0.05 s > 0.16 s
+    assert (decision.reason, decision.endpoint.key) == ("overflow", KEYS[1])
+
+
+def test_matched_tokens_from_any_index_rank_the_same_way() -> None:
+    picker = LowestCostPicker(RequestCost(CONFIG))
+    req = request(prompt("a", blocks=20))
+    candidates = [state(key) for key in KEYS[:3]]
+    cycle = Cycle(req, placement_key(req, CONFIG.affinity_blocks), {KEYS[2]: 300, KEYS[1]: 100})
+    assert [s.key for s in picker.rank(cycle, candidates)] == [KEYS[2], KEYS[1], KEYS[0]]

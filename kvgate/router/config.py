@@ -233,8 +233,15 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"routing.load_bound: must be at least 1.0, got {routing.load_bound}")
     if routing.load_slack < 0:
         raise ConfigError(f"routing.load_slack: must not be negative, got {routing.load_slack}")
-    if any(w < 0 for w in routing.weights.values()):
-        raise ConfigError("routing.weights: weights must not be negative")
+    if routing.hot_spot_bound < routing.load_bound:
+        raise ConfigError(f"routing.hot_spot_bound: must be at least load_bound ({routing.load_bound}), "
+                          f"got {routing.hot_spot_bound}")
+    for name in ("prefill_tokens_per_second", "chars_per_token"):
+        if getattr(routing, name) <= 0:
+            raise ConfigError(f"routing.{name}: must be greater than 0, got {getattr(routing, name)}")
+    for name in ("queue_seconds_per_request", "running_seconds_per_request"):
+        if getattr(routing, name) < 0:
+            raise ConfigError(f"routing.{name}: must not be negative, got {getattr(routing, name)}")
     _validate_priorities(config)
 
 
