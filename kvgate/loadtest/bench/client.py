@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,10 +68,29 @@ def chat_body(spec: WorkloadSpec, messages: list[dict[str, str]]) -> dict[str, A
     return {"model": spec.model, "messages": messages, "max_tokens": spec.max_tokens, "stream": True}
 
 
-class ConversationDriver:
-    """Runs scripted conversations with a fixed number of concurrent users until they end or time runs out.
+class _OpenChat:
+    """A conversation in progress: the messages so far and how many turns it has sent."""
 
-    Requests go to `base_urls` in turn (client-side round robin), so several gateways share the load.
+    __slots__ = ("conversation", "messages", "turn")
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.conversation = conversation
+        self.messages = [{"role": "system", "content": conversation.system_prompt}]
+        self.turn = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.turn >= len(self.conversation.user_turns)
+
+
+class PoissonChatDriver:
+    """Sends chat turns as a Poisson process of `rate` requests per second, bounded in count and time.
+
+    Each arrival sends the next turn of a conversation whose previous answer has come back, picked at
+    random among them, or opens a new conversation while fewer than `concurrency` are open (or none is
+    ready). An arrival that finds every open conversation waiting for its answer and none left to open
+    is skipped, so a conversation's turns stay in order, as a user's do. Requests go to `base_urls` in
+    turn (client-side round robin), so several gateways share the load.
     """
 
     def __init__(
@@ -81,35 +102,50 @@ class ConversationDriver:
         self._spec = spec
         self._targets = itertools.cycle(base_urls)
         self._on_sample = on_sample
+        self._rng = random.Random(f"arrivals-{spec.seed}")
         self.samples: list[RequestSample] = []
 
     async def run(self, conversations: Sequence[Conversation]) -> list[RequestSample]:
-        """Drive every conversation (or as many as fit in the workload's duration); return the samples."""
+        """Drive the conversations (or as many turns as fit in the workload's duration); return the samples."""
         loop = asyncio.get_running_loop()
         run_start = loop.time()
         deadline = run_start + self._spec.duration
-        queue = iter(conversations)
+        unopened = deque(conversations)
+        ready: list[_OpenChat] = []
+        busy: set[asyncio.Task[None]] = set()
+        arrival = run_start
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            users = [self._user(session, queue, run_start, deadline) for _ in range(self._spec.concurrency)]
-            await asyncio.gather(*users)
+            while (unopened or ready or busy) and arrival < deadline:
+                arrival += self._rng.expovariate(self._spec.rate)
+                await asyncio.sleep(max(0.0, arrival - loop.time()))
+                chat = self._next_chat(unopened, ready, len(ready) + len(busy))
+                if chat is None:
+                    continue
+                task = asyncio.create_task(self._send(session, chat, ready, run_start, deadline))
+                busy.add(task)
+                task.add_done_callback(busy.discard)
+            if busy:
+                await asyncio.gather(*busy)
         return self.samples
 
-    async def _user(
-        self, session: aiohttp.ClientSession, queue: Iterator[Conversation], run_start: float, deadline: float
-    ) -> None:
+    def _next_chat(self, unopened: deque[Conversation], ready: list[_OpenChat], open_now: int) -> _OpenChat | None:
+        if unopened and (open_now < self._spec.concurrency or not ready):
+            return _OpenChat(unopened.popleft())
+        if ready:
+            return ready.pop(self._rng.randrange(len(ready)))
+        return None
+
+    async def _send(self, session: aiohttp.ClientSession, chat: _OpenChat, ready: list[_OpenChat],
+                    run_start: float, deadline: float) -> None:
         loop = asyncio.get_running_loop()
-        for conversation in queue:
-            messages = [{"role": "system", "content": conversation.system_prompt}]
-            for user_turn in conversation.user_turns:
-                if loop.time() >= deadline:
-                    return
-                messages.append({"role": "user", "content": user_turn})
-                cutoff = deadline + _GRACE_SECONDS_AFTER_CAP - loop.time()
-                sample, reply = await stream_chat(session, next(self._targets), chat_body(self._spec, messages),
-                                                  run_start, cutoff)
-                self.samples.append(sample)
-                if self._on_sample is not None:
-                    self._on_sample(sample)
-                if sample.error is not None:
-                    break  # a real user would not continue a conversation that failed
-                messages.append({"role": "assistant", "content": reply})
+        chat.messages.append({"role": "user", "content": chat.conversation.user_turns[chat.turn]})
+        chat.turn += 1
+        cutoff = deadline + _GRACE_SECONDS_AFTER_CAP - loop.time()
+        sample, reply = await stream_chat(session, next(self._targets), chat_body(self._spec, chat.messages),
+                                          run_start, cutoff)
+        self.samples.append(sample)
+        if self._on_sample is not None:
+            self._on_sample(sample)
+        if sample.error is None and not chat.finished:  # a real user would not continue a failed conversation
+            chat.messages.append({"role": "assistant", "content": reply})
+            ready.append(chat)

@@ -27,7 +27,7 @@ def plot_ttft_cdf(scenario: ScenarioRun, path: Path) -> Path:
     axes.set_xscale("log")
     axes.set_xlabel("time to first token (ms, log scale)")
     axes.set_ylabel("fraction of requests")
-    axes.set_title(f"TTFT distribution: {scenario.name} tenants")
+    axes.set_title(f"TTFT distribution: {scenario.name}")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(loc="lower right")
     return _save(figure, path)
@@ -52,7 +52,7 @@ def plot_replica_load(scenario: ScenarioRun, path: Path) -> Path:
         panel.set_visible(False)
     if rows:
         panels.flat[0].legend(loc="upper right", fontsize="small")
-    figure.suptitle(f"Per-replica load: {scenario.name} tenants")
+    figure.suptitle(f"Per-replica load: {scenario.name}")
     return _save(figure, path)
 
 

@@ -21,10 +21,13 @@ DOCS_START, DOCS_END = docs_section.markers("routing")
 
 @dataclass(slots=True)
 class ScenarioReport:
-    """One scenario's table and the plots drawn for it (paths relative to the report)."""
+    """One scenario's fleet, table and the plots drawn for it (paths relative to the report)."""
 
     name: str
-    workload: dict[str, Any]
+    description: str
+    parameters: dict[str, Any]
+    fleet: dict[str, Any]  # each replica's KV blocks, block size, seats
+    oracle: dict[str, Any]
     rows: list[RowSummary]
     plots: dict[str, str]
 
@@ -36,15 +39,20 @@ class BenchReport:
     command: str
     date: str
     machine: dict[str, Any]
-    fleet: dict[str, Any]
-    oracle: dict[str, Any]
+    fleet: dict[str, Any]  # replicas, cache fraction, speed
     scenarios: list[ScenarioReport]
+    load_average: str = ""  # the machine's 1-minute load average before / after the run
 
     @property
     def all_targets_met(self) -> bool:
         """Whether every checked row met every target and no row failed to run."""
         rows = [row for scenario in self.scenarios for row in scenario.rows]
         return all(row.failure is None and all(check.passed for check in row.targets) for row in rows)
+
+
+def load_average() -> str:
+    """The machine's 1-minute load average now."""
+    return f"{os.getloadavg()[0]:.2f}"
 
 
 def machine_info() -> dict[str, Any]:
@@ -96,22 +104,15 @@ def _table_row(row: RowSummary) -> str:
     return "| " + " | ".join(cells) + " |\n"
 
 
-def _describe_workload(workload: dict[str, Any]) -> str:
-    skew = "Zipf-skewed" if workload["skew"] == "zipf" else "uniform"
-    zipf = f" (s={workload['zipf_s']})" if workload["skew"] == "zipf" else ""
-    return (
-        f"{workload['tenants']} tenants, {skew} popularity{zipf}, each with a "
-        f"{workload['system_prompt_chars']}-character system prompt; {workload['conversations']} conversations of "
-        f"{workload['turns']} streamed turns (~{workload['user_chars']} characters each, max_tokens "
-        f"{workload['max_tokens']}), {workload['concurrency']} concurrent users, capped at {workload['duration']:.0f} s"
-        " per row."
-    )
-
-
 def _tables(report: BenchReport, with_plots: bool) -> str:
     parts = []
     for scenario in report.scenarios:
-        parts.append(f"### {scenario.name} tenants\n\n{_describe_workload(scenario.workload)}\n\n{_HEADER}")
+        fleet, oracle = scenario.fleet, scenario.oracle
+        parts.append(
+            f"### {scenario.name}\n\n{scenario.description} Each replica: {fleet['num_gpu_blocks']} KV blocks of "
+            f"{fleet['block_size']} tokens, max_num_seqs {fleet['max_num_seqs']}; oracle: {oracle['num_gpu_blocks']} "
+            f"blocks, max_num_seqs {oracle['max_num_seqs']}.\n\n{_HEADER}"
+        )
         parts.append("".join(_table_row(row) for row in scenario.rows))
         if with_plots:
             parts.append("\n" + "\n".join(f"![{title}]({path})" for title, path in scenario.plots.items()) + "\n")
@@ -120,18 +121,17 @@ def _tables(report: BenchReport, with_plots: bool) -> str:
 
 
 def _setup(report: BenchReport) -> str:
-    fleet, oracle, machine = report.fleet, report.oracle, report.machine
+    fleet, machine = report.fleet, report.machine
     return (
         f"Command: `{report.command}`  \n"
-        f"Machine: {machine['nproc']} CPUs, {machine['platform']}, Python {machine['python']}; {report.date}.  \n"
-        f"Fleet: {fleet['replicas']} simulated vLLM replicas, each {fleet['num_gpu_blocks']} KV blocks of "
-        f"{fleet['block_size']} tokens (room for {fleet['cache_fraction'] * 100:.0f}% of the distinct prefixes in "
-        f"play: every tenant's system prompt and every open conversation), "
-        f"max_num_seqs {fleet['max_num_seqs']}, speed {fleet['speed']}.  \n"
-        f"Oracle: one replica with {oracle['num_gpu_blocks']} blocks (never evicts) and max_num_seqs "
-        f"{oracle['max_num_seqs']}, traffic sent to it directly: the hit-rate ceiling.  \n"
+        f"Machine: {machine['nproc']} CPUs, {machine['platform']}, Python {machine['python']}; {report.date}; "
+        f"1-minute load average before / after: {report.load_average}.  \n"
+        f"Fleet: {fleet['replicas']} simulated vLLM replicas per scenario, each KV cache sized to hold "
+        f"{fleet['cache_fraction'] * 100:.0f}% of the distinct prefixes in play (every tenant's or group's system "
+        f"prompt and every open conversation), speed {fleet['speed']}. Oracle: one replica that never evicts, "
+        f"traffic sent to it directly: the hit-rate ceiling.  \n"
         "Hit rate: prefix-cache hit tokens / queried tokens from the replicas' own counters. Every row replays "
-        "the same conversations; replica caches and counters are reset between rows.\n\n"
+        "the same requests; replica caches and counters are reset between rows.\n\n"
     )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from kvgate.loadtest.bench.client import RequestSample
 from kvgate.loadtest.bench.sim_probe import LoadSeries
-from kvgate.loadtest.bench.workload import WorkloadSpec
+from kvgate.simulator import SimOptions
 
 ORACLE = "oracle"
 KVGATE = "kvgate"
@@ -61,12 +61,12 @@ class RowRun:
 
 @dataclass(slots=True)
 class ScenarioRun:
-    """Every row of one workload shape (uniform or Zipf-skewed tenants)."""
+    """Every row of one scenario, and the fleet and oracle it ran on."""
 
-    workload: WorkloadSpec
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    skewed: bool  # popularity is skewed: the balance targets apply
+    fleet: SimOptions
+    oracle: SimOptions
     rows: list[RowRun] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        """The scenario's name: its tenant skew."""
-        return self.workload.skew

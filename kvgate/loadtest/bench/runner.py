@@ -1,4 +1,4 @@
-"""Runs a benchmark: one simulated fleet and one oracle replica, then every row of every scenario in turn."""
+"""Runs a benchmark: for each scenario a simulated fleet and an oracle replica sized for it, then every row in turn."""
 
 from __future__ import annotations
 
@@ -11,42 +11,43 @@ from pathlib import Path
 
 import aiohttp
 
-from kvgate.loadtest.bench.client import ConversationDriver, RequestSample
+from kvgate.loadtest.bench.client import RequestSample
 from kvgate.loadtest.bench.gateway_probe import read_decisions
 from kvgate.loadtest.bench.processes import ProcessError, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.bench.results import BASELINE_POLICY, EXTERNAL, KVGATE, ORACLE, RowPlan, RowRun, ScenarioRun
+from kvgate.loadtest.bench.scenarios import Scenario
 from kvgate.loadtest.bench.sim_probe import LoadSampler, read_stats, reset_stats
 from kvgate.loadtest.bench.sizing import fleet_options, oracle_options
-from kvgate.loadtest.bench.workload import Conversation, WorkloadSpec, build_conversations
 from kvgate.simulator import SimOptions
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
 _PROGRESS_INTERVAL_SECONDS = 5.0
+FRONT_POLICY = "round-robin"  # the front that spreads a single-URL load generator over several gateways
 
 
 @dataclass(frozen=True, slots=True)
 class BenchSettings:
     """Everything one benchmark run needs."""
 
-    workload: WorkloadSpec
-    skews: tuple[str, ...]
+    scenarios: tuple[Scenario, ...]
     replicas: int
     policies: tuple[str, ...]  # kvgate policies measured besides the round-robin baseline
     gateways: int  # gateways of the multi-gateway cache-aware row; below 2 leaves it out
     externals: tuple[tuple[str, str], ...]  # (row name, command line template)
+    peer: str  # the external row the targets compare with
     cache_fraction: float
     sim: SimOptions  # timing knobs every simulated replica shares
     out_dir: Path
 
-    def fleet_options(self) -> SimOptions:
-        """Settings of each fleet replica."""
-        return fleet_options(self.workload, self.sim, self.cache_fraction)
+    def fleet_options(self, scenario: Scenario) -> SimOptions:
+        """Settings of each fleet replica for a scenario."""
+        return fleet_options(scenario.footprint(self.sim.block_size), scenario.model, self.sim, self.cache_fraction)
 
-    def oracle_options(self) -> SimOptions:
-        """Settings of the oracle replica."""
-        return oracle_options(self.workload, self.sim)
+    def oracle_options(self, scenario: Scenario) -> SimOptions:
+        """Settings of the oracle replica for a scenario."""
+        return oracle_options(scenario.footprint(self.sim.block_size), scenario.model, self.sim)
 
 
 def plan_rows(settings: BenchSettings) -> list[RowPlan]:
@@ -61,46 +62,47 @@ def plan_rows(settings: BenchSettings) -> list[RowPlan]:
 
 
 async def run_bench(settings: BenchSettings, progress: Progress) -> list[ScenarioRun]:
-    """Run every scenario's rows one at a time against the same simulated replicas, reset between rows."""
+    """Run every scenario's rows one at a time against one simulated fleet per scenario, reset between rows."""
     log_dir = settings.out_dir / "logs"
     plans = plan_rows(settings)
     scenarios: list[ScenarioRun] = []
-    async with AsyncExitStack() as stack:
-        fleet, fleet_urls = await start_sim_fleet("sim-fleet", settings.replicas, settings.fleet_options(), log_dir)
-        stack.push_async_callback(fleet.stop)
-        oracle, oracle_urls = await start_sim_fleet("sim-oracle", 1, settings.oracle_options(), log_dir)
-        stack.push_async_callback(oracle.stop)
-        session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
-        for skew in settings.skews:
-            spec = settings.workload.with_skew(skew)
-            scenario = ScenarioRun(spec)
-            conversations = build_conversations(spec)
+    for scenario in settings.scenarios:
+        run = ScenarioRun(scenario.name, scenario.describe(), scenario.parameters(), scenario.skewed,
+                          settings.fleet_options(scenario), settings.oracle_options(scenario))
+        async with AsyncExitStack() as stack:
+            fleet, fleet_urls = await start_sim_fleet(f"{scenario.name}-fleet", settings.replicas, run.fleet, log_dir)
+            stack.push_async_callback(fleet.stop)
+            oracle, oracle_urls = await start_sim_fleet(f"{scenario.name}-oracle", 1, run.oracle, log_dir)
+            stack.push_async_callback(oracle.stop)
+            session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
             for plan in plans:
                 sim_urls = oracle_urls if plan.kind == ORACLE else fleet_urls
                 row = RowRun(plan)
+                label = f"{scenario.name}/{plan.name}"
                 try:
-                    async with _routers(plan, fleet_urls, log_dir, skew) as targets:
+                    async with _routers(plan, fleet_urls, log_dir, scenario.name) as gateways:
                         await reset_stats(session, sim_urls)
-                        await _measure(row, session, sim_urls, targets or sim_urls, spec, conversations,
-                                       _Ticker(f"{skew}/{plan.name}", progress))
+                        async with _front(scenario, gateways, log_dir, label) as targets:
+                            await _measure(row, session, sim_urls, targets or sim_urls, scenario,
+                                           settings.out_dir / "runs" / label.replace(" ", ""), _Ticker(label, progress))
                         if plan.kind == KVGATE:
-                            row.decisions = await read_decisions(session, targets)
+                            row.decisions = await read_decisions(session, gateways)
                 except ProcessError as exc:
                     row.error = str(exc).splitlines()[0]
-                    log.warning("bench row failed row=%s/%s error=%s", skew, plan.name, exc)
-                scenario.rows.append(row)
-                progress(_row_line(skew, row))
-            scenarios.append(scenario)
+                    log.warning("bench row failed row=%s error=%s", label, exc)
+                run.rows.append(row)
+                progress(_row_line(label, row))
+        scenarios.append(run)
     return scenarios
 
 
 @asynccontextmanager
-async def _routers(plan: RowPlan, workers: Sequence[str], log_dir: Path, skew: str) -> AsyncIterator[list[str]]:
+async def _routers(plan: RowPlan, workers: Sequence[str], log_dir: Path, scenario: str) -> AsyncIterator[list[str]]:
     """Start the row's router processes; yields their base URLs (none for the oracle: traffic goes direct)."""
     async with AsyncExitStack() as stack:
         urls: list[str] = []
         for index in range(plan.gateways if plan.kind != ORACLE else 0):
-            name = f"{skew}-{plan.name}-{index}".replace(" ", "")
+            name = f"{scenario}-{plan.name}-{index}".replace(" ", "")
             if plan.kind == KVGATE:
                 assert plan.policy is not None
                 child, url = await start_gateway(name, plan.policy, workers, log_dir)
@@ -112,23 +114,36 @@ async def _routers(plan: RowPlan, workers: Sequence[str], log_dir: Path, skew: s
         yield urls
 
 
+@asynccontextmanager
+async def _front(scenario: Scenario, gateways: list[str], log_dir: Path, label: str) -> AsyncIterator[list[str]]:
+    """The URLs the load goes to: the gateways, or a round-robin kvgate in front of them for a one-URL generator."""
+    if len(gateways) < 2 or not scenario.single_target:
+        yield gateways
+        return
+    child, url = await start_gateway(f"{label}-front".replace(" ", "").replace("/", "-"), FRONT_POLICY, gateways,
+                                     log_dir)
+    try:
+        yield [url]
+    finally:
+        await child.stop()
+
+
 async def _measure(
     row: RowRun,
     session: aiohttp.ClientSession,
     sim_urls: Sequence[str],
     targets: Sequence[str],
-    spec: WorkloadSpec,
-    conversations: Sequence[Conversation],
+    scenario: Scenario,
+    work_dir: Path,
     ticker: _Ticker,
 ) -> None:
-    """Drive the workload through `targets` while sampling the replicas' load; fill in `row`."""
+    """Drive the scenario through `targets` while sampling the replicas' load; fill in `row`."""
     loop = asyncio.get_running_loop()
-    driver = ConversationDriver(spec, targets, on_sample=ticker.count)
     async with LoadSampler(session, sim_urls) as sampler:
         start = loop.time()
         ticking = asyncio.create_task(ticker.run())
         try:
-            row.samples = await driver.run(conversations)
+            row.samples = await scenario.drive(targets, work_dir, ticker.count)
         finally:
             ticking.cancel()
         row.wall_seconds = loop.time() - start
@@ -159,9 +174,8 @@ class _Ticker:
             self._progress(f"  {self._label}: {elapsed:.0f}s, {self._requests} requests, {self._errors} errors")
 
 
-def _row_line(skew: str, row: RowRun) -> str:
+def _row_line(label: str, row: RowRun) -> str:
     """The one-line outcome of a row."""
-    label = f"{skew}/{row.plan.name}"
     if row.error is not None:
         return f"{label}: FAILED: {row.error}"
     hit_rate = "n/a" if row.hit_rate is None else f"{row.hit_rate:.1%}"

@@ -62,18 +62,19 @@ def tenant_weights(tenants: int, skew: str, zipf_s: float) -> list[float]:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadSpec:
-    """The size and shape of one benchmark workload."""
+    """The size and shape of one multi-turn chat workload; the defaults are the uniform chat scenario."""
 
-    tenants: int = 12
-    system_prompt_chars: int = 6000
-    conversations: int = 100
-    turns: int = 4
+    tenants: int = 24
+    system_prompt_chars: int = 6400  # about 1,600 tokens at four characters a token
+    conversations: int = 240
+    turns: int = 6
     user_chars: int = 300
     max_tokens: int = 32
-    concurrency: int = 24
-    duration: float = 45.0  # time cap per row, seconds
+    concurrency: int = 24  # conversations open at once
+    rate: float = 20.0  # Poisson arrivals, requests per second
+    duration: float = 120.0  # time cap per row, seconds
     skew: str = "uniform"
-    zipf_s: float = 1.1
+    zipf_s: float = 1.2
     seed: int = 0
     model: str = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -85,8 +86,9 @@ class WorkloadSpec:
         ]
         if self.system_prompt_chars < 100:
             problems.append(f"system_prompt_chars must be >= 100, got {self.system_prompt_chars}")
-        if self.duration <= 0:
-            problems.append(f"duration must be > 0, got {self.duration}")
+        for name in ("duration", "rate"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.skew not in SKEWS:
             problems.append(f"skew must be one of {', '.join(SKEWS)}, got {self.skew!r}")
         if problems:
@@ -97,10 +99,12 @@ class WorkloadSpec:
         return replace(self, skew=skew)
 
 
-DEFAULT_WORKLOAD = WorkloadSpec()
+CHAT_UNIFORM = WorkloadSpec()
+# The same chats with Zipf tenant popularity, at the higher rate a few popular tenants bring.
+CHAT_ZIPF = WorkloadSpec(skew="zipf", rate=45.0)
 QUICK_WORKLOAD = WorkloadSpec(
     tenants=6, system_prompt_chars=3000, conversations=24, turns=3, user_chars=200, max_tokens=8,
-    concurrency=6, duration=10.0,
+    concurrency=6, rate=12.0, duration=10.0,
 )  # fmt: skip
 
 
