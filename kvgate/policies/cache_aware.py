@@ -10,8 +10,10 @@ feed the same decision.
    request some replica holds more of than that (a conversation's earlier turns, say) continues where it
    is cheapest: only a hot spot (load over `hot_spot_bound` x the mean) is ruled out, so a replica a few
    requests over the mean keeps a conversation whose re-prefill would cost more than its queue.
-2. Placement: a request no replica holds more of than that goes to the cheapest replica under the
-   bounded-load cap (CHWBL, policies/filters.py) with a free seat when one exists; its prefill counts the
+2. Placement: a request no replica holds more of than that goes to the cheapest replica whose share of
+   recent requests is under the bounded-load cap (CHWBL on shares over a few hundred requests,
+   policies/balance.py: noise does not trip it, skewed popularity does), that is no hot spot, with a free
+   seat when one exists; its prefill counts the
    same everywhere (which replicas hold the anchor is one gateway's history, and gateways must agree), so
    the cost is the queue, and equal costs go in the rendezvous order of its placement key. The key is the chained hash at the end of the anchor (every
    gateway sends a tenant's new conversations to one home, whatever it has seen) or, without one,
@@ -26,6 +28,7 @@ candidate was over its cap: the least loaded).
 from __future__ import annotations
 
 from kvgate.endpoints.model import EndpointState, FleetSnapshot
+from kvgate.policies.balance import RecentRequests, balance_window
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.cost import prompt_tokens, tokens_per_block
 from kvgate.policies.framework import Cycle
@@ -42,7 +45,9 @@ class CacheAwarePolicy:
 
     def __init__(self, config: RoutingConfig) -> None:
         self._config = config
-        self._placement = placement_profile(config)
+        self._recent = RecentRequests()
+        self._window = balance_window(1, config.load_bound)
+        self._placement = placement_profile(config, self._recent)
         self._continuation = continuation_profile(config)
         self.index = PrefixIndex(config.index_max_total_blocks)
 
@@ -60,6 +65,7 @@ class CacheAwarePolicy:
         candidates = fleet.candidates(request.model)
         if not candidates:
             return None
+        self._window = balance_window(len(candidates), self._config.load_bound)
         matched = self.matched_tokens(request, candidates)
         per_block = tokens_per_block(self._config)
         everywhere = min(matched.values())
@@ -90,13 +96,15 @@ class CacheAwarePolicy:
         return "cold" if rendezvous_order(cycle.placement_key, candidates)[0].key == chosen.key else "overflow"
 
     def record(self, request: RequestInfo, chosen: EndpointState) -> None:
-        """The chosen replica now caches the request's blocks."""
+        """The chosen replica now caches the request's blocks, and has one more recent request."""
         capacity = index_capacity_blocks(chosen.metrics, self._config)
         self.index.record(chosen.key, request.block_hashes, capacity)
+        self._recent.record(chosen.key, self._window)
 
     def forget(self, endpoint_key: str) -> None:
-        """Drop what the index believes an endpoint that left the fleet holds."""
+        """Drop what the index believes an endpoint that left the fleet holds, and its recent requests."""
         self.index.forget(endpoint_key)
+        self._recent.forget(endpoint_key)
 
     def index_sizes(self) -> dict[str, int]:
         """Prefix blocks believed held per endpoint."""

@@ -2,11 +2,14 @@
 
     cost(replica) = uncached prompt tokens / prefill_tokens_per_second
                   + requests ahead of it in the replica's queue x queue_seconds_per_request
-                  + sequences the replica runs x running_seconds_per_request
+
+A sequence the replica merely runs (a seat is free) lengthens each engine step by a fraction of a
+millisecond: no term for it, since it would turn every tie between replicas holding the same context
+into a least-loaded choice that scatters new context, for no time a prefill or a queue would notice.
 
 Cache matches are counted in prompt tokens, the currency both the approximate index (blocks of
 `block_chars` bytes at `chars_per_token`) and an engine-reported index (tokens the engine holds) speak.
-The three rates are properties of the engine and model, not of a workload; see docs/routing.md for how
+The two rates are properties of the engine and model, not of a workload; see docs/routing.md for how
 to read each one off a replica's own /metrics.
 """
 
@@ -44,11 +47,6 @@ def requests_ahead(state: EndpointState, uncached_tokens: int) -> int:
     return ahead
 
 
-def sequences_on(state: EndpointState) -> int:
-    """Sequences the replica runs or holds now: the scrape moved by what was sent since, at least this gateway's own."""
-    return max(state.in_flight, state.occupied)
-
-
 class RequestCost:
     """The cost model: expected added time to first token of sending one request to each replica."""
 
@@ -62,5 +60,4 @@ class RequestCost:
         return (
             uncached / config.prefill_tokens_per_second
             + requests_ahead(state, uncached) * config.queue_seconds_per_request
-            + sequences_on(state) * config.running_seconds_per_request
         )

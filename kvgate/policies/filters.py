@@ -9,7 +9,7 @@ from kvgate.endpoints.model import EndpointState
 from kvgate.policies.framework import Cycle
 
 
-def load_cap(states: Sequence[EndpointState], load_bound: float, slack: int = 0) -> int:
+def load_cap(loads: Sequence[float], load_bound: float, slack: int = 0) -> float:
     """Consistent hashing with bounded loads: a replica may take one more request while its load is under this.
 
     ceil(c * (total + 1) / n) rather than c x mean, so that with tiny loads (0 or 1 in flight) every
@@ -18,7 +18,7 @@ def load_cap(states: Sequence[EndpointState], load_bound: float, slack: int = 0)
     a bound that tight fires on noise (a gateway among several sees a third of the load, say), moving
     requests off the replica that caches their prefix when nothing is hot.
     """
-    mean = (sum(state.load for state in states) + 1) / len(states)
+    mean = (sum(loads) + 1) / len(loads)
     cap = math.ceil(load_bound * mean)
     return max(cap, math.ceil(mean) + slack) if slack else cap
 
@@ -36,7 +36,7 @@ class BoundedLoadFilter:
         """Candidates that may take one more request without exceeding the bound."""
         if not candidates:
             return ()
-        cap = load_cap(candidates, self.load_bound, self.slack)
+        cap = load_cap([state.load for state in candidates], self.load_bound, self.slack)
         return tuple(state for state in candidates if state.load < cap)
 
 

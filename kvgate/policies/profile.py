@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.endpoints.model import EndpointState
+from kvgate.policies.balance import RecentRequests, RecentShareFilter
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.cost import RequestCost
 from kvgate.policies.filters import BoundedLoadFilter, FreeSeatFilter
@@ -32,10 +33,12 @@ class SchedulingProfile:
         return self.picker.rank(cycle, candidates)
 
 
-def placement_profile(config: RoutingConfig) -> SchedulingProfile:
-    """For a request whose own context no replica holds: bounded load, a free seat when one exists, lowest cost."""
+def placement_profile(config: RoutingConfig, recent: RecentRequests) -> SchedulingProfile:
+    """For a request whose own context no replica holds: a share of recent requests under the bound, no hot spot,
+    a free seat when one exists, lowest cost."""
     return SchedulingProfile(
-        filters=(BoundedLoadFilter(config.load_bound, config.load_slack), FreeSeatFilter()),
+        filters=(RecentShareFilter(recent, config.load_bound, config.load_slack),
+                 BoundedLoadFilter(config.hot_spot_bound, config.load_slack), FreeSeatFilter()),
         picker=LowestCostPicker(RequestCost(config)),
     )
 

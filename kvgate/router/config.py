@@ -239,9 +239,8 @@ def validate(config: GatewayConfig) -> None:
     for name in ("prefill_tokens_per_second", "chars_per_token"):
         if getattr(routing, name) <= 0:
             raise ConfigError(f"routing.{name}: must be greater than 0, got {getattr(routing, name)}")
-    for name in ("queue_seconds_per_request", "running_seconds_per_request"):
-        if getattr(routing, name) < 0:
-            raise ConfigError(f"routing.{name}: must not be negative, got {getattr(routing, name)}")
+    if routing.queue_seconds_per_request < 0:
+        raise ConfigError(f"routing.queue_seconds_per_request: must not be negative, got {routing.queue_seconds_per_request}")
     _validate_priorities(config)
 
 
