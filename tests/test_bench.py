@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.loadtest.bench.client import RequestSample
+from kvgate.loadtest.bench.client import PoissonChatDriver, RequestSample
 from kvgate.loadtest.bench.inference_perf import SharedPrefixSpec, inference_perf_config, samples_from_report
 from kvgate.loadtest.bench.processes import external_argv
 from kvgate.loadtest.bench.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
@@ -20,7 +20,7 @@ from kvgate.loadtest.bench.scenarios import ChatScenario, SharedPrefixScenario
 from kvgate.loadtest.bench.sizing import fleet_options, oracle_options, sim_flags
 from kvgate.loadtest.bench.summary import percentile, summarise_scenario
 from kvgate.loadtest.bench.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
-from kvgate.simulator import SimOptions, add_sim_arguments, sim_options_from_args
+from kvgate.simulator import SimFleet, SimOptions, add_sim_arguments, sim_options_from_args
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -198,3 +198,18 @@ def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_pat
         assert (out / plot).read_bytes().startswith(PNG_MAGIC)
     assert "| cache-aware |" in (out / "report.md").read_text()
     assert DOCS_START in docs.read_text() and "| cache-aware x3 |" in docs.read_text()
+
+
+async def test_poisson_driver_sends_every_turn_paced_by_its_arrival_rate() -> None:
+    spec = dataclasses.replace(QUICK_WORKLOAD, conversations=12, turns=3, concurrency=4, rate=40.0, duration=20.0)
+    fleet = await SimFleet.start([0], SimOptions(speed=20.0, max_model_len=4096, models=(spec.model,)))
+    try:
+        conversations = build_conversations(spec)
+        driver = PoissonChatDriver(spec, fleet.urls)
+        samples = await driver.run(conversations)
+    finally:
+        await fleet.stop()
+    assert len(samples) == spec.conversations * spec.turns and all(s.error is None for s in samples)
+    assert all(s.ttft is not None and s.ttft <= s.e2e for s in samples)
+    starts = sorted(s.start for s in samples)
+    assert starts[-1] >= 0.5 * len(samples) / spec.rate  # paced by the arrival process, not sent at once
