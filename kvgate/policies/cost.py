@@ -32,17 +32,26 @@ def prompt_tokens(request: RequestInfo, config: RoutingConfig) -> int:
     return max(1, round(request.prompt_chars / config.chars_per_token))
 
 
-def requests_ahead(state: EndpointState, uncached_tokens: int) -> int:
-    """Requests a new one would wait behind: for a seat (the replica's queue, plus one when every seat is taken),
-    or for KV blocks when its uncached tokens do not fit in the free part of the replica's KV cache."""
-    if state.seats:
+def requests_ahead(state: EndpointState, uncached_tokens: int, kv_full: float) -> int:
+    """Requests a new one would wait behind on the replica: for a seat, or for KV blocks.
+
+    For a seat: with the seat count known, what the replica holds beyond it, plus one when every seat
+    is taken; else its scraped queue, plus one when it has one. But a queue while the KV cache is full
+    (at `kv_full` or more) waits for blocks, not seats, and a request whose uncached tokens fit in the
+    free blocks is admitted past it: moving it to where its prefix must be prefilled again would only
+    need more blocks there. For blocks: one, when its uncached tokens do not fit in the free KV cache.
+    """
+    metrics = state.metrics
+    fresh = not metrics.stale and metrics.scraped_at is not None
+    if fresh and metrics.kv_cache_usage >= kv_full:
+        ahead = 0
+    elif state.seats:
         ahead = max(0, state.occupied - state.seats + 1)
     else:
         waiting = state.waiting  # fresh scrapes only: a stale one says nothing about now
-        ahead = waiting + 1 if waiting else 0  # a replica that queues has every seat taken
-    metrics = state.metrics
+        ahead = waiting + 1 if waiting else 0
     capacity = metrics.kv_capacity_tokens
-    if not ahead and not metrics.stale and capacity and uncached_tokens > (1.0 - metrics.kv_cache_usage) * capacity:
+    if not ahead and fresh and capacity and uncached_tokens > (1.0 - metrics.kv_cache_usage) * capacity:
         ahead = 1  # it waits until a running sequence frees blocks
     return ahead
 
@@ -59,5 +68,5 @@ class RequestCost:
         uncached = max(0, prompt_tokens(request, config) - matched_tokens.get(state.key, 0))
         return (
             uncached / config.prefill_tokens_per_second
-            + requests_ahead(state, uncached) * config.queue_seconds_per_request
+            + requests_ahead(state, uncached, config.kv_full) * config.queue_seconds_per_request
         )
