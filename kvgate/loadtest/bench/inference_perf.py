@@ -23,7 +23,7 @@ from kvgate.loadtest.bench.processes import ProcessError
 # inference-perf's generated words average about six characters per token of a WordPiece tokenizer such as
 # MiniLM's; the simulator counts four characters a token (measured: 773 simulated tokens for 500 requested).
 SIM_TOKENS_PER_TOOL_TOKEN = 1.5
-_GRACE_SECONDS = 60.0
+_GRACE_SECONDS = 240.0  # its start (torch, the tokenizer) takes a minute or more on a busy machine
 _LOG_TAIL_CHARS = 2000
 
 
