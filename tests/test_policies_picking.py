@@ -27,7 +27,8 @@ from kvgate.policies import (
     build_request_info,
     prompt_tokens,
 )
-from kvgate.policies.balance import balance_window
+from kvgate.policies.balance import NOISE_SIGMAS, balance_window
+from kvgate.policies.filters import load_cap
 from kvgate.policies.rendezvous import placement_key, rendezvous_order
 
 CONFIG = RoutingConfig(load_slack=0)  # the bare multiplicative bound: the small loads below exercise it
@@ -59,9 +60,18 @@ def home_of(req: RequestInfo, fleet: FleetSnapshot) -> str:
     return rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[0].key
 
 
-def bound_of(name: str) -> float:
-    """The load bound a policy keeps: cache-aware lets a request that continues cached context go up to a hot spot."""
-    return CONFIG.hot_spot_bound if name == "cache-aware" else CONFIG.load_bound
+def within_bound(name: str, in_flight: Counter[str], keys: list[str]) -> bool:
+    """Whether the busiest replica is within a policy's in-flight bound (the pick it just made included).
+
+    cache-aware lets a request that continues cached context go up to a hot spot: `hot_spot_bound` x the
+    mean and three deviations of Poisson noise over it.
+    """
+    loads = [in_flight[key] for key in keys]
+    before = sum(loads) - 1
+    if name == "cache-aware":
+        return max(loads) <= load_cap([before / len(keys)] * len(keys), CONFIG.hot_spot_bound, CONFIG.load_slack,
+                                      NOISE_SIGMAS)
+    return max(loads) <= math.ceil(CONFIG.load_bound * sum(loads) / len(keys)) + 1
 
 
 def cycle_for(req: RequestInfo, matched: dict[str, int] | None = None) -> Cycle:
@@ -231,6 +241,8 @@ def test_cache_aware_overflows_when_the_holder_is_over_the_bound() -> None:
     assert decision.reason == "overflow"
     assert decision.endpoint.key == rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[1].key
     below_one = CacheAwarePolicy(RoutingConfig(load_bound=0.5, hot_spot_bound=0.5, load_slack=0))
+    for key in KEYS[:4] * 20:  # twenty recent requests each: every share is over half the mean
+        below_one.record(request(prompt(f"other-{key}")), state(key))
     assert below_one.pick(req, idle_fleet(KEYS[:4], {k: 2 for k in KEYS[:4]})).reason == "fallback"
 
 
@@ -260,7 +272,7 @@ def simulate(policy: Policy, requests: list[RequestInfo], keys: list[str], windo
         policy.record(req, decision.endpoint)
         in_flight[decision.endpoint.key] += 1
         open_requests.append(decision.endpoint.key)
-        assert max(in_flight.values()) <= math.ceil(bound_of(policy.name) * sum(in_flight.values()) / len(keys)) + 1
+        assert within_bound(policy.name, in_flight, keys)
         choices.append((decision.endpoint.key, decision.reason))
     return choices
 
@@ -315,7 +327,7 @@ def test_a_hot_prefix_burst_stays_bounded_and_spills_along_its_rendezvous_order(
         policy.record(hot, decision.endpoint)
         in_flight[decision.endpoint.key] += 1
         served[decision.endpoint.key] += 1
-        assert max(in_flight.values()) <= math.ceil(bound_of(name) * sum(in_flight.values()) / len(KEYS)) + 1
+        assert within_bound(name, in_flight, KEYS)
     order = [s.key for s in rendezvous_order(placement_key(hot, CONFIG.affinity_blocks), idle_fleet().endpoints)]
     assert set(served) == set(order[: len(served)])  # the next replicas in the prefix's order, no others
     assert len(served) <= 5
@@ -419,3 +431,12 @@ def test_placement_spills_a_replica_whose_recent_share_is_over_the_bound_not_one
         policy.record(request(prompt(f"r{i}")), idle_fleet(keys).endpoints[0 if i % 2 else 1 + i % 4 // 2])
     decision = policy.pick(newcomer, idle_fleet(keys))
     assert decision.reason == "overflow" and decision.endpoint.key != keys[0]
+
+
+def test_the_hot_spot_bound_ignores_poisson_noise_at_low_load_but_not_a_pile_up() -> None:
+    cycle = cycle_for(request("x"))
+    hot_spot = BoundedLoadFilter(CONFIG.hot_spot_bound, CONFIG.load_slack, noise_sigmas=NOISE_SIGMAS)
+    burst = [state("a", 5), state("b", 1), state("c", 1)]  # about one in flight each, five by chance
+    assert len(hot_spot.filter(cycle, burst)) == 3
+    pile_up = [state("a", 20), state("b", 2), state("c", 2)]
+    assert [s.key for s in hot_spot.filter(cycle, pile_up)] == ["b", "c"]

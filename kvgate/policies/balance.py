@@ -15,18 +15,18 @@ from kvgate.policies.filters import load_cap
 from kvgate.policies.framework import Cycle
 
 # How far a share may wander on noise, in standard deviations, before the window is long enough.
-_NOISE_SIGMAS = 3.0
+NOISE_SIGMAS = 3.0
 
 
 def balance_window(replicas: int, load_bound: float) -> int:
-    """Requests a share is judged over: long enough that noise stays `_NOISE_SIGMAS` deviations inside the bound.
+    """Requests a share is judged over: long enough that noise stays `NOISE_SIGMAS` deviations inside the bound.
 
     A fair share p = 1/n over W requests varies by sqrt(p (1 - p) / W); the bound allows (load_bound - 1) p
     above it. Three deviations inside that margin need W = 9 (n - 1) / (load_bound - 1)^2: 288 requests for
     three replicas at a bound of 1.25, about 1,000 for eight.
     """
     margin = max(load_bound - 1.0, 0.05)
-    return max(1, math.ceil(_NOISE_SIGMAS**2 * max(replicas - 1, 1) / margin**2))
+    return max(1, math.ceil(NOISE_SIGMAS**2 * max(replicas - 1, 1) / margin**2))
 
 
 class RecentRequests:

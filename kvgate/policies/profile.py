@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.endpoints.model import EndpointState
-from kvgate.policies.balance import RecentRequests, RecentShareFilter
+from kvgate.policies.balance import NOISE_SIGMAS, RecentRequests, RecentShareFilter
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.cost import RequestCost
 from kvgate.policies.filters import BoundedLoadFilter, FreeSeatFilter
@@ -33,12 +33,17 @@ class SchedulingProfile:
         return self.picker.rank(cycle, candidates)
 
 
+def _hot_spot_filter(config: RoutingConfig) -> BoundedLoadFilter:
+    """In-flight load over `hot_spot_bound` x the mean and beyond three deviations of Poisson noise: a hot spot."""
+    return BoundedLoadFilter(config.hot_spot_bound, config.load_slack, noise_sigmas=NOISE_SIGMAS)
+
+
 def placement_profile(config: RoutingConfig, recent: RecentRequests) -> SchedulingProfile:
     """For a request whose own context no replica holds: a share of recent requests under the bound, no hot spot,
     a free seat when one exists, lowest cost."""
     return SchedulingProfile(
         filters=(RecentShareFilter(recent, config.load_bound, config.load_slack),
-                 BoundedLoadFilter(config.hot_spot_bound, config.load_slack), FreeSeatFilter()),
+                 _hot_spot_filter(config), FreeSeatFilter()),
         picker=LowestCostPicker(RequestCost(config)),
     )
 
@@ -46,6 +51,6 @@ def placement_profile(config: RoutingConfig, recent: RecentRequests) -> Scheduli
 def continuation_profile(config: RoutingConfig) -> SchedulingProfile:
     """For a request whose context some replica holds: only a hot spot is ruled out, then lowest cost."""
     return SchedulingProfile(
-        filters=(BoundedLoadFilter(config.hot_spot_bound, config.load_slack),),
+        filters=(_hot_spot_filter(config),),
         picker=LowestCostPicker(RequestCost(config)),
     )
