@@ -35,9 +35,10 @@ class Scrapes:
     def __call__(self, key: str) -> ReplicaMetrics:
         return self.pages.get(key, ReplicaMetrics())
 
-    def scrape(self, fleet: Fleet, key: str, running: int, waiting: int) -> None:
+    def scrape(self, fleet: Fleet, key: str, running: int, waiting: int, kv_cache_usage: float = 0.0) -> None:
         fleet.scrape_started(key)
-        self.pages[key] = ReplicaMetrics(running=running, waiting=waiting, scraped_at=1.0, stale=False)
+        self.pages[key] = ReplicaMetrics(running=running, waiting=waiting, kv_cache_usage=kv_cache_usage,
+                                         scraped_at=1.0, stale=False)
         fleet.scraped(key, ok=True)
 
 
@@ -77,6 +78,17 @@ def test_seats_are_learned_from_a_queue_seen_twice_and_only_grow() -> None:
     assert seats_of(fleet, "a") == 8
     scrapes.scrape(fleet, "a", running=10, waiting=0)  # it ran more than that: the estimate was low
     assert seats_of(fleet, "a") == 10
+
+
+def test_a_queue_behind_a_full_kv_cache_teaches_no_seats() -> None:
+    scrapes = Scrapes()
+    fleet = fleet_with(scrapes, "a")
+    for _ in range(3):  # long prompts filled the KV cache: the queue waits for blocks, not seats
+        scrapes.scrape(fleet, "a", running=6, waiting=2, kv_cache_usage=0.95)
+    assert seats_of(fleet, "a") is None
+    scrapes.scrape(fleet, "a", running=9, waiting=2, kv_cache_usage=0.5)
+    scrapes.scrape(fleet, "a", running=9, waiting=3, kv_cache_usage=0.5)
+    assert seats_of(fleet, "a") == 9
 
 
 def test_configured_seats_win_and_learned_seats_leave_with_their_replica() -> None:

@@ -21,7 +21,7 @@ class Fleet:
     """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
 
     def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
-                 clock: Callable[[], float] = time.monotonic, seats: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, seats: int = 0, kv_full: float = 0.8) -> None:
         self._metrics = metrics
         self._models = models
         self.health = PassiveHealth(clock=clock)
@@ -35,6 +35,7 @@ class Fleet:
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats: dict[str, int] = {}  # learned seat counts
+        self._kv_full = kv_full  # KV-cache use at which a queue waits for blocks rather than seats
         self._queued: set[str] = set()  # replicas whose last successful scrape showed a waiting queue
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
@@ -122,13 +123,16 @@ class Fleet:
     def _learn_seats(self, key: str, metrics: ReplicaMetrics) -> None:
         """Learn a replica's seat count, which vLLM does not export, from its running count under a queue.
 
-        A queue seen on two scrapes in a row means every seat was taken (or the KV cache was full; a lone
-        arrival between two engine steps waits for one step only), so the running count then is what the
-        replica holds at once. Once known it only grows: a replica never runs more than it has seats, and
-        the headroom lets one request past a learned count so that a low one corrects itself.
+        A queue seen on two scrapes in a row means every seat was taken (a lone arrival between two engine
+        steps waits for one step only), so the running count then is what the replica holds at once, unless
+        the KV cache was full (at `kv_full` or more): then the queue waits for blocks, and the running count
+        says how many of these prompts fit, not how many seats there are. Once known it only grows: a replica
+        never runs more than it has seats, and the headroom lets one request past a learned count so that a
+        low one corrects itself.
         """
-        queued_twice = metrics.waiting > 0 and key in self._queued
-        if metrics.waiting > 0:
+        seat_bound = metrics.waiting > 0 and metrics.kv_cache_usage < self._kv_full
+        queued_twice = seat_bound and key in self._queued
+        if seat_bound:
             self._queued.add(key)
         else:
             self._queued.discard(key)

@@ -9,17 +9,21 @@ from kvgate.endpoints.types import EndpointState
 from kvgate.policies.framework import Cycle
 
 
-def load_cap(states: Sequence[EndpointState], load_bound: float, slack: int = 0) -> int:
+def load_cap(loads: Sequence[float], load_bound: float, slack: int = 0, noise_sigmas: float = 0.0) -> float:
     """Consistent hashing with bounded loads: a replica may take one more request while its load is under this.
 
     ceil(c * (total + 1) / n) rather than c x mean, so that with tiny loads (0 or 1 in flight) every
     replica still has room for one request; with c >= 1 some replica is always under the cap. At least
     `slack` requests above the mean: at low load c x mean is within a request or two of the mean, and
     a bound that tight fires on noise (a gateway among several sees a third of the load, say), moving
-    requests off the replica that caches their prefix when nothing is hot.
+    requests off the replica that caches their prefix when nothing is hot. With `noise_sigmas`, also at
+    least that many standard deviations of a Poisson count (sqrt of the mean) above the mean, for a bound
+    meant to catch hot spots only.
     """
-    mean = (sum(state.load for state in states) + 1) / len(states)
+    mean = (sum(loads) + 1) / len(loads)
     cap = math.ceil(load_bound * mean)
+    if noise_sigmas:
+        cap = max(cap, math.ceil(mean + noise_sigmas * math.sqrt(mean)))
     return max(cap, math.ceil(mean) + slack) if slack else cap
 
 
@@ -28,15 +32,16 @@ class BoundedLoadFilter:
 
     name = "bounded-load"
 
-    def __init__(self, load_bound: float, slack: int = 0) -> None:
+    def __init__(self, load_bound: float, slack: int = 0, noise_sigmas: float = 0.0) -> None:
         self.load_bound = load_bound
         self.slack = slack
+        self.noise_sigmas = noise_sigmas
 
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
         """Candidates that may take one more request without exceeding the bound."""
         if not candidates:
             return ()
-        cap = load_cap(candidates, self.load_bound, self.slack)
+        cap = load_cap([state.load for state in candidates], self.load_bound, self.slack, self.noise_sigmas)
         return tuple(state for state in candidates if state.load < cap)
 
 

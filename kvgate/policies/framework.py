@@ -1,14 +1,15 @@
-"""The scheduling framework's small interfaces: a Filter narrows candidates, a Scorer rates them, a Picker ranks.
+"""The scheduling framework's small interfaces: a Filter narrows candidates, a Picker ranks them.
 
-Modelled on the Gateway API Inference Extension's scheduler: each signal is a tiny plugin tested
-alone, and a profile (policies/profile.py) blends them with weights taken from configuration.
+Modelled on the Gateway API Inference Extension's scheduler: each step is a small plugin tested alone,
+and a profile (policies/profile.py) chains them. The cache-aware profile ranks by one currency, the
+request's expected cost in seconds (policies/cost.py), rather than by a weighted blend of unlike scores.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from kvgate.endpoints.types import EndpointState
 from kvgate.policies.types import RequestInfo
@@ -20,7 +21,8 @@ class Cycle:
 
     request: RequestInfo
     placement_key: int  # rendezvous key of the request's prefix (policies/rendezvous.py)
-    matched_blocks: Mapping[str, int]  # endpoint key -> leading blocks it is believed to hold
+    # endpoint key -> leading prompt tokens it is believed to hold, from whichever index knows the endpoint
+    matched_tokens: Mapping[str, int]
 
 
 class Filter(Protocol):
@@ -33,22 +35,11 @@ class Filter(Protocol):
         ...
 
 
-class Scorer(Protocol):
-    """Rates each candidate in [0, 1]; higher is better."""
-
-    name: str
-    pulls: Literal["locality", "spread"]  # whether it keeps work where its cache is or spreads it
-
-    def score(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[float]:
-        """One score per candidate, aligned with `candidates`."""
-        ...
-
-
 class Picker(Protocol):
-    """Orders scored candidates from best to worst."""
+    """Orders candidates from best to worst."""
 
     name: str
 
-    def rank(self, cycle: Cycle, candidates: Sequence[EndpointState], scores: Sequence[float]) -> list[EndpointState]:
+    def rank(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[EndpointState]:
         """Candidates best first; the first is chosen, the rest are retry fallbacks."""
         ...

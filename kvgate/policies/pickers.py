@@ -1,27 +1,35 @@
-"""Pickers: order scored candidates, best first."""
+"""Pickers: order candidates, best first."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from kvgate.endpoints.types import EndpointState
+from kvgate.policies.cost import RequestCost
 from kvgate.policies.framework import Cycle
 from kvgate.policies.rendezvous import rendezvous_weight
 
+# Costs closer than this (a tenth of a millisecond) are equal: the rendezvous order decides, not float noise.
+COST_RESOLUTION_SECONDS = 1e-4
 
-class MaxScorePicker:
-    """Highest score first; equal scores in the rendezvous order of the request's prefix, never by position.
 
-    Breaking ties by rendezvous rather than at random keeps every gateway replica's choice the same
-    and sends a prefix that ties everywhere to its home.
+class LowestCostPicker:
+    """Cheapest expected time to first token first; equal costs in the rendezvous order of the request's prefix.
+
+    Breaking ties by rendezvous rather than at random or by position keeps every gateway replica's choice
+    the same and sends a prefix nobody holds, on an evenly loaded fleet, to its home.
     """
 
-    name = "max-score"
+    name = "lowest-cost"
 
-    def rank(self, cycle: Cycle, candidates: Sequence[EndpointState], scores: Sequence[float]) -> list[EndpointState]:
-        """Candidates by score descending, then by rendezvous weight descending."""
-        order = sorted(
-            range(len(candidates)),
-            key=lambda i: (-scores[i], -rendezvous_weight(cycle.placement_key, candidates[i].key), candidates[i].key),
-        )
-        return [candidates[i] for i in order]
+    def __init__(self, cost: RequestCost) -> None:
+        self._cost = cost
+
+    def rank(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[EndpointState]:
+        """Candidates by cost ascending, then by rendezvous weight descending."""
+
+        def order(state: EndpointState) -> tuple[int, int, str]:
+            seconds = self._cost.seconds(cycle.request, cycle.matched_tokens, state)
+            return round(seconds / COST_RESOLUTION_SECONDS), -rendezvous_weight(cycle.placement_key, state.key), state.key
+
+        return sorted(candidates, key=order)

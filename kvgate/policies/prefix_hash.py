@@ -32,7 +32,7 @@ class PrefixHashPolicy(NoPrefixIndex):
             return None
         key = placement_key(request, self._affinity_blocks)
         order = rendezvous_order(key, candidates)
-        cap = load_cap(candidates, self._load_bound, self._load_slack)
+        cap = load_cap([state.load for state in candidates], self._load_bound, self._load_slack)
         eligible = [state for state in order if state.load < cap]
         if not eligible:
             ranked = least_loaded_order(key, candidates)

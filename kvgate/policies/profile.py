@@ -1,4 +1,4 @@
-"""A scheduling profile: filters, weighted scorers and a picker, assembled from RoutingConfig.weights."""
+"""A scheduling profile: filters, then a picker, assembled from RoutingConfig."""
 
 from __future__ import annotations
 
@@ -6,19 +6,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import EndpointState
+from kvgate.policies.balance import NOISE_SIGMAS, RecentRequests, RecentShareFilter
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.filters import BoundedLoadFilter
-from kvgate.policies.framework import Cycle, Filter, Picker, Scorer
-from kvgate.policies.pickers import MaxScorePicker
-from kvgate.policies.scorers import SCORERS
+from kvgate.policies.cost import RequestCost
+from kvgate.policies.filters import BoundedLoadFilter, FreeSeatFilter
+from kvgate.policies.framework import Cycle, Filter, Picker
+from kvgate.policies.pickers import LowestCostPicker
 
 
 @dataclass(frozen=True)
 class SchedulingProfile:
-    """How candidates are narrowed, rated and ranked."""
+    """How candidates are narrowed and ranked."""
 
     filters: tuple[Filter, ...]
-    scorers: tuple[tuple[Scorer, float], ...]  # (scorer, weight); weights need not sum to 1
     picker: Picker
 
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
@@ -28,26 +28,29 @@ class SchedulingProfile:
             remaining = candidate_filter.filter(cycle, remaining)
         return remaining
 
-    def scores(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[float]:
-        """Weighted sum of every scorer's score, per candidate."""
-        totals = [0.0] * len(candidates)
-        for scorer, weight in self.scorers:
-            for i, score in enumerate(scorer.score(cycle, candidates)):
-                totals[i] += weight * score
-        return totals
-
     def rank(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[EndpointState]:
-        """Candidates best first by weighted score."""
-        return self.picker.rank(cycle, candidates, self.scores(cycle, candidates))
+        """Candidates best first."""
+        return self.picker.rank(cycle, candidates)
 
 
-def build_profile(config: RoutingConfig) -> SchedulingProfile:
-    """The cache-aware profile: bounded-load filter, the configured weighted scorers, max-score picker."""
-    unknown = sorted(set(config.weights) - set(SCORERS))
-    if unknown:
-        raise ValueError(f"unknown scorer weights {unknown}; known scorers are {sorted(SCORERS)}")
-    negative = sorted(name for name, weight in config.weights.items() if weight < 0)
-    if negative:
-        raise ValueError(f"scorer weights must be >= 0, got negative weights for {negative}")
-    scorers = tuple((SCORERS[name](), float(weight)) for name, weight in config.weights.items() if weight > 0)
-    return SchedulingProfile(filters=(BoundedLoadFilter(config.load_bound, config.load_slack),), scorers=scorers, picker=MaxScorePicker())
+def _hot_spot_filter(config: RoutingConfig) -> BoundedLoadFilter:
+    """In-flight load over `hot_spot_bound` x the mean and beyond three deviations of Poisson noise: a hot spot."""
+    return BoundedLoadFilter(config.hot_spot_bound, config.load_slack, noise_sigmas=NOISE_SIGMAS)
+
+
+def placement_profile(config: RoutingConfig, recent: RecentRequests) -> SchedulingProfile:
+    """For a request whose own context no replica holds: a share of recent requests under the bound, no hot spot,
+    a free seat when one exists, lowest cost."""
+    return SchedulingProfile(
+        filters=(RecentShareFilter(recent, config.load_bound, config.load_slack),
+                 _hot_spot_filter(config), FreeSeatFilter()),
+        picker=LowestCostPicker(RequestCost(config)),
+    )
+
+
+def continuation_profile(config: RoutingConfig) -> SchedulingProfile:
+    """For a request whose context some replica holds: only a hot spot is ruled out, then lowest cost."""
+    return SchedulingProfile(
+        filters=(_hot_spot_filter(config),),
+        picker=LowestCostPicker(RequestCost(config)),
+    )

@@ -254,8 +254,16 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"routing.load_bound: must be at least 1.0, got {routing.load_bound}")
     if routing.load_slack < 0:
         raise ConfigError(f"routing.load_slack: must not be negative, got {routing.load_slack}")
-    if any(w < 0 for w in routing.weights.values()):
-        raise ConfigError("routing.weights: weights must not be negative")
+    if routing.hot_spot_bound < routing.load_bound:
+        raise ConfigError(f"routing.hot_spot_bound: must be at least load_bound ({routing.load_bound}), "
+                          f"got {routing.hot_spot_bound}")
+    for name in ("prefill_tokens_per_second", "chars_per_token"):
+        if getattr(routing, name) <= 0:
+            raise ConfigError(f"routing.{name}: must be greater than 0, got {getattr(routing, name)}")
+    if not 0 < routing.kv_full <= 1:
+        raise ConfigError(f"routing.kv_full: must be in (0, 1], got {routing.kv_full}")
+    if routing.queue_seconds_per_request < 0:
+        raise ConfigError(f"routing.queue_seconds_per_request: must not be negative, got {routing.queue_seconds_per_request}")
     _validate_priorities(config)
 
 

@@ -137,7 +137,8 @@ class Gateway:
         self.scraper = MetricsScraper(poll_session, interval_s=config.scrape_interval,
                                       timeout_s=config.scrape_timeout)
         self.models = ModelLister(poll_session, refresh_s=config.models_refresh)
-        self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats)
+        self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats,
+                           kv_full=config.saturation.kv_cache)
         self.fleet.on_endpoints(self.scraper.set_endpoints)
         self.fleet.on_endpoints(self.models.set_endpoints)
         self.fleet.on_removed(self.policy.forget)

@@ -1,0 +1,72 @@
+"""What a replica would cost a request, in seconds of time to first token: prefill it must redo, queueing it must wait.
+
+    cost(replica) = uncached prompt tokens / prefill_tokens_per_second
+                  + requests ahead of it in the replica's queue x queue_seconds_per_request
+
+A sequence the replica merely runs (a seat is free) lengthens each engine step by a fraction of a
+millisecond: no term for it, since it would turn every tie between replicas holding the same context
+into a least-loaded choice that scatters new context, for no time a prefill or a queue would notice.
+
+Cache matches are counted in prompt tokens, the currency both the approximate index (blocks of
+`block_chars` bytes at `chars_per_token`) and an engine-reported index (tokens the engine holds) speak.
+The two rates are properties of the engine and model, not of a workload; see docs/routing.md for how
+to read each one off a replica's own /metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvgate.endpoints.types import EndpointState
+from kvgate.policies.config import RoutingConfig
+from kvgate.policies.types import RequestInfo
+
+
+def tokens_per_block(config: RoutingConfig) -> float:
+    """Prompt tokens in one prefix block of the approximate index."""
+    return config.block_chars / config.chars_per_token
+
+
+def prompt_tokens(request: RequestInfo, config: RoutingConfig) -> int:
+    """The request's prompt length in tokens, estimated from its serialized size."""
+    return max(1, round(request.prompt_chars / config.chars_per_token))
+
+
+def requests_ahead(state: EndpointState, uncached_tokens: int, kv_full: float) -> int:
+    """Requests a new one would wait behind on the replica: for a seat, or for KV blocks.
+
+    For a seat: with the seat count known, what the replica holds beyond it, plus one when every seat
+    is taken; else its scraped queue, plus one when it has one. But a queue while the KV cache is full
+    (at `kv_full` or more) waits for blocks, not seats, and a request whose uncached tokens fit in the
+    free blocks is admitted past it: moving it to where its prefix must be prefilled again would only
+    need more blocks there. For blocks: one, when its uncached tokens do not fit in the free KV cache.
+    """
+    metrics = state.metrics
+    fresh = not metrics.stale and metrics.scraped_at is not None
+    if fresh and metrics.kv_cache_usage >= kv_full:
+        ahead = 0
+    elif state.seats:
+        ahead = max(0, state.occupied - state.seats + 1)
+    else:
+        waiting = state.waiting  # fresh scrapes only: a stale one says nothing about now
+        ahead = waiting + 1 if waiting else 0
+    capacity = metrics.kv_capacity_tokens
+    if not ahead and fresh and capacity and uncached_tokens > (1.0 - metrics.kv_cache_usage) * capacity:
+        ahead = 1  # it waits until a running sequence frees blocks
+    return ahead
+
+
+class RequestCost:
+    """The cost model: expected added time to first token of sending one request to each replica."""
+
+    def __init__(self, config: RoutingConfig) -> None:
+        self._config = config
+
+    def seconds(self, request: RequestInfo, matched_tokens: Mapping[str, int], state: EndpointState) -> float:
+        """Prefill of the tokens the replica does not hold plus queueing behind what it runs and waits for."""
+        config = self._config
+        uncached = max(0, prompt_tokens(request, config) - matched_tokens.get(state.key, 0))
+        return (
+            uncached / config.prefill_tokens_per_second
+            + requests_ahead(state, uncached, config.kv_full) * config.queue_seconds_per_request
+        )
