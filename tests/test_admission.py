@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 import pytest
 
 from kvgate.simulator import SimFleet, SimOptions
-from kvgate.policies.priorities import PriorityConfig, PriorityError, classify
+from kvgate.policies.capacity import ClassStanding
+from kvgate.policies.priorities import PriorityConfig
+from kvgate.router.priority_headers import PriorityError, classify
 from kvgate.policies.types import RequestInfo
 from kvgate.router.admission import AdmissionConfig, AdmissionQueue
 from kvgate.router.errors import GatewayError
@@ -26,7 +30,8 @@ class Room:
         self.reserved = reserved
         self.reserves: list[float] = []
 
-    def __call__(self, model: str, reserve: float, probe: bool = True) -> float:
+    def __call__(self, model: str, standing: ClassStanding) -> float:
+        reserve = standing.kept_reserve
         self.reserves.append(reserve)
         return max(0.0, self.free - self.reserved) if reserve else self.free
 
@@ -35,13 +40,17 @@ def queue_with(room: Room, **bounds) -> AdmissionQueue:
     return AdmissionQueue(AdmissionConfig(**bounds), PriorityConfig(), room, GatewayMetrics())
 
 
+def admit(queue: AdmissionQueue, request: RequestInfo) -> Coroutine[Any, Any, None]:
+    return queue.admit(request, PriorityConfig().rank(request.priority_class))
+
+
 def info(cls: str, n: int = 0, size: int = 100) -> RequestInfo:
     return RequestInfo(model="m", priority_class=cls, block_hashes=(n,), body_bytes=size)
 
 
 async def admit_all(queue: AdmissionQueue, requests: list[RequestInfo], order: list[int]) -> list[asyncio.Task]:
     async def one(index: int, request: RequestInfo) -> None:
-        await queue.admit(request)
+        await admit(queue, request)
         order.append(index)
 
     tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
@@ -87,7 +96,7 @@ def test_unknown_priority_values_are_rejected_naming_the_header(headers, header)
 async def test_requests_pass_straight_through_while_the_fleet_has_room() -> None:
     queue = queue_with(Room(3))
     for _ in range(3):
-        await asyncio.wait_for(queue.admit(info("batch")), 1)
+        await asyncio.wait_for(admit(queue, info("batch")), 1)
     assert queue.describe()["waiting"] == 0
 
 
@@ -127,13 +136,13 @@ async def test_flows_of_one_class_take_turns_so_a_flood_does_not_starve_another_
 async def test_a_full_class_sheds_the_flooding_flow_rather_than_a_newcomer() -> None:
     queue = queue_with(Room(0), class_max_requests={"interactive": 4})
     tasks = await admit_all(queue, [flow_info("flood", i) for i in range(4)], [])
-    newcomer = asyncio.create_task(queue.admit(flow_info("quiet", 10)))
+    newcomer = asyncio.create_task(admit(queue, flow_info("quiet", 10)))
     await wait_until(lambda: any(task.done() for task in tasks))
     assert [task.done() for task in tasks] == [False, False, False, True]  # the flood's newest made room
     assert isinstance(tasks[3].exception(), GatewayError) and tasks[3].exception().status == 429
     assert not newcomer.done() and queue.describe()["waiting"] == 4
     with pytest.raises(GatewayError) as shed:
-        await queue.admit(flow_info("flood", 5))  # still the largest flow: its own newcomer is shed
+        await admit(queue, flow_info("flood", 5))  # still the largest flow: its own newcomer is shed
     assert shed.value.status == 429
     for task in [*tasks, newcomer]:
         task.cancel()
@@ -161,12 +170,12 @@ async def test_overflow_sheds_the_newest_batch_before_any_interactive() -> None:
     queue = queue_with(Room(0), max_requests=3)
     order: list[int] = []
     tasks = await admit_all(queue, [info("batch", 0), info("batch", 1), info("interactive", 2)], order)
-    late = asyncio.create_task(queue.admit(info("interactive", 3)))
+    late = asyncio.create_task(admit(queue, info("interactive", 3)))
     await asyncio.sleep(0)
     results = await asyncio.gather(tasks[1], return_exceptions=True)
     assert isinstance(results[0], GatewayError) and results[0].status == 429
     assert results[0].headers["Retry-After"] == "2"
-    extra_batch = asyncio.create_task(queue.admit(info("batch", 4)))
+    extra_batch = asyncio.create_task(admit(queue, info("batch", 4)))
     (error,) = await asyncio.gather(extra_batch, return_exceptions=True)
     assert isinstance(error, GatewayError) and error.status == 429  # batch never displaces interactive
     assert queue.describe()["waiting"] == 3
@@ -177,10 +186,10 @@ async def test_overflow_sheds_the_newest_batch_before_any_interactive() -> None:
 
 async def test_queue_bounds_in_bytes_and_per_class_count() -> None:
     queue = queue_with(Room(0), max_bytes=1000, class_max_requests={"interactive": 1})
-    first = asyncio.create_task(queue.admit(info("interactive", 0, size=600)))
+    first = asyncio.create_task(admit(queue, info("interactive", 0, size=600)))
     await asyncio.sleep(0)
-    second = asyncio.create_task(queue.admit(info("interactive", 1, size=10)))
-    big_batch = asyncio.create_task(queue.admit(info("batch", 2, size=600)))
+    second = asyncio.create_task(admit(queue, info("interactive", 1, size=10)))
+    big_batch = asyncio.create_task(admit(queue, info("batch", 2, size=600)))
     errors = await asyncio.gather(second, big_batch, return_exceptions=True)
     assert [e.status for e in errors] == [429, 429]
     first.cancel()
@@ -190,14 +199,14 @@ async def test_queue_bounds_in_bytes_and_per_class_count() -> None:
 async def test_waiting_too_long_is_shed_with_429() -> None:
     queue = queue_with(Room(0), max_wait={"interactive": 30.0, "batch": 0.05})
     with pytest.raises(GatewayError) as caught:
-        await asyncio.wait_for(queue.admit(info("batch")), 2)
+        await asyncio.wait_for(admit(queue, info("batch")), 2)
     assert caught.value.status == 429
     assert queue.describe()["waiting"] == 0
 
 
 async def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once() -> None:
     queue = queue_with(Room(0))
-    task = asyncio.create_task(queue.admit(info("batch", size=500)))
+    task = asyncio.create_task(admit(queue, info("batch", size=500)))
     await asyncio.sleep(0)
     assert queue.describe()["waiting"] == 1
     task.cancel()
@@ -208,8 +217,8 @@ async def test_a_client_that_leaves_while_queued_leaves_the_queue_at_once() -> N
 async def test_a_client_leaving_as_its_place_frees_up_leaks_no_place() -> None:
     room = Room(0)
     queue = queue_with(room)
-    leaving = asyncio.create_task(queue.admit(info("interactive", 0)))
-    staying = asyncio.create_task(queue.admit(info("interactive", 1)))
+    leaving = asyncio.create_task(admit(queue, info("interactive", 0)))
+    staying = asyncio.create_task(admit(queue, info("interactive", 1)))
     await asyncio.sleep(0)
     leaving.cancel()  # the client goes away ...
     room.free = 1
@@ -217,7 +226,7 @@ async def test_a_client_leaving_as_its_place_frees_up_leaks_no_place() -> None:
     await asyncio.wait_for(staying, 1)  # the place goes to the next request, not to the one that left
     await asyncio.gather(leaving, return_exceptions=True)
     assert queue.describe() == {"waiting": 0, "bytes": 0, "models": {}}
-    await asyncio.wait_for(queue.admit(info("interactive", 2)), 1)  # and nothing stays reserved
+    await asyncio.wait_for(admit(queue, info("interactive", 2)), 1)  # and nothing stays reserved
 
 
 async def test_unknown_priority_header_gets_400_through_the_gateway() -> None:
@@ -272,12 +281,12 @@ async def test_batch_leaves_the_reserve_free_only_while_interactive_traffic_is_r
     now = [0.0]
     room = Room(3, reserved=3)  # three places, all of them inside the reserve
     queue = reserving_queue(room, now)
-    await asyncio.wait_for(queue.admit(info("batch", 0)), 1)  # no interactive traffic yet: no reserve
-    await asyncio.wait_for(queue.admit(info("interactive", 1)), 1)
-    waiting = asyncio.create_task(queue.admit(info("batch", 2)))
+    await asyncio.wait_for(admit(queue, info("batch", 0)), 1)  # no interactive traffic yet: no reserve
+    await asyncio.wait_for(admit(queue, info("interactive", 1)), 1)
+    waiting = asyncio.create_task(admit(queue, info("batch", 2)))
     await asyncio.sleep(0)
     assert queue.describe()["waiting"] == 1  # batch now leaves the reserve to interactive ...
-    await asyncio.wait_for(queue.admit(info("interactive", 3)), 1)  # ... which passes the waiting batch
+    await asyncio.wait_for(admit(queue, info("interactive", 3)), 1)  # ... which passes the waiting batch
     now[0] = 9.0
     queue.refresh()
     await asyncio.sleep(0)

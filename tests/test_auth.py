@@ -12,19 +12,19 @@ from pathlib import Path
 
 import aiohttp
 import openai
+import orjson
 import pytest
 import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
 from kvgate.simulator import SimFleet, SimOptions
-from kvgate.policies import build_request_info
 from kvgate.policies.config import RoutingConfig
 from kvgate.router.auth import ApiKeyStore, KeyInfo, KeysFileError, bearer_token, parse_keys
 from kvgate.router.config import ConfigError
 from kvgate.router.errors import GatewayError
 from kvgate.router.ratelimit import RateLimiter, estimate_tokens
-from kvgate.router.requests import ParsedRequest
+from kvgate.router.requests import InferenceRequest, parse_request
 from tests.harness import FakeClock, running_gateway, scripted_replica, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -271,9 +271,9 @@ def test_admit_raises_an_openai_rate_limit_error_with_whole_seconds_to_wait() ->
     assert "'alice'" in error.message and "60 tokens per minute" in error.message
 
 
-def parsed(kind: str, body: dict) -> ParsedRequest:
-    return ParsedRequest(kind=kind, body=body, raw=b"", info=build_request_info(kind, body, "interactive",
-                                                                              RoutingConfig()))
+def parsed(kind: str, body: dict) -> InferenceRequest:
+    return parse_request(f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}", orjson.dumps(body),
+                         "interactive", 0, RoutingConfig())
 
 
 @pytest.mark.parametrize(("kind", "body", "tokens"), [

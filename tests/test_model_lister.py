@@ -17,7 +17,7 @@ BASE = "meta-llama/Llama-3.1-8B-Instruct"
 async def test_lists_base_models_and_lora_adapters_of_every_endpoint(session, start_replica):
     with_lora = await start_replica(models=models_payload((BASE, None), ("sql-lora", BASE), ("chat-lora", BASE)))
     other = await start_replica(models=models_payload(("Qwen/Qwen3-32B", None)))
-    lister = ModelLister(session)
+    lister = ModelLister(lambda: session)
     lister.set_endpoints([with_lora.endpoint, other.endpoint])
 
     await lister.refresh_once()
@@ -39,7 +39,7 @@ def test_unexpected_payload_shape_is_an_error(payload):
 
 async def test_failed_listing_keeps_the_previous_models_and_logs_once(session, start_replica, caplog):
     replica = await start_replica(models=models_payload((BASE, None), ("sql-lora", BASE)))
-    lister = ModelLister(session)
+    lister = ModelLister(lambda: session)
     lister.set_endpoints([replica.endpoint])
     await lister.refresh_once()
     caplog.set_level(logging.WARNING, logger="kvgate.endpoints")
@@ -55,7 +55,7 @@ async def test_failed_listing_keeps_the_previous_models_and_logs_once(session, s
 
 async def test_unreachable_endpoint_has_no_models(session):
     endpoint = refused_endpoint()
-    lister = ModelLister(session)
+    lister = ModelLister(lambda: session)
     lister.set_endpoints([endpoint])
 
     await lister.refresh_once()
@@ -65,7 +65,7 @@ async def test_unreachable_endpoint_has_no_models(session):
 
 async def test_run_lists_new_endpoints_right_away_then_every_refresh(session, start_replica):
     first = await start_replica(models=models_payload((BASE, None)))
-    lister = ModelLister(session, refresh_s=1.0)
+    lister = ModelLister(lambda: session, refresh_s=1.0)
     lister.set_endpoints([first.endpoint])
     task = asyncio.create_task(lister.run())
     try:
@@ -82,7 +82,7 @@ async def test_run_lists_new_endpoints_right_away_then_every_refresh(session, st
 
 async def test_run_retries_a_failed_listing_sooner_than_the_refresh(session, start_replica):
     loading = await start_replica(status=503)  # vLLM still loading its model
-    lister = ModelLister(session, refresh_s=30.0, retry_s=0.05)
+    lister = ModelLister(lambda: session, refresh_s=30.0, retry_s=0.05)
     lister.set_endpoints([loading.endpoint])
     task = asyncio.create_task(lister.run())
     try:
@@ -95,7 +95,7 @@ async def test_run_retries_a_failed_listing_sooner_than_the_refresh(session, sta
 
 async def test_removed_endpoint_is_forgotten_and_no_longer_listed(session, start_replica):
     replica = await start_replica()
-    lister = ModelLister(session, refresh_s=0.05)
+    lister = ModelLister(lambda: session, refresh_s=0.05)
     lister.set_endpoints([replica.endpoint])
     task = asyncio.create_task(lister.run())
     try:

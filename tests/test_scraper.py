@@ -33,7 +33,7 @@ async def test_reads_load_cache_size_and_newest_lora_series_from_a_two_engine_pa
     )
     replica = await start_replica(page=page)
     clock = FakeClock()
-    scraper = MetricsScraper(session, clock=clock)
+    scraper = MetricsScraper(lambda: session, clock=clock)
     scraper.set_endpoints([replica.endpoint])
 
     await scraper.scrape_once()
@@ -50,7 +50,7 @@ async def test_reads_load_cache_size_and_newest_lora_series_from_a_two_engine_pa
 async def test_falls_back_to_gpu_cache_usage_perc_on_old_vllm(session, start_replica):
     page = render_vllm_metrics([EngineLoad(kv_cache_usage=0.75)], kv_usage_names=(LEGACY_KV_USAGE,))
     replica = await start_replica(page=page)
-    scraper = MetricsScraper(session)
+    scraper = MetricsScraper(lambda: session)
     scraper.set_endpoints([replica.endpoint])
 
     await scraper.scrape_once()
@@ -126,7 +126,7 @@ def test_sample_parsing_agrees_with_prometheus_client(labels, value):
 
 async def test_http_500_marks_stale_and_keeps_the_last_values(session, start_replica):
     replica = await start_replica(page=render_vllm_metrics([EngineLoad(running=5, waiting=2)]))
-    scraper = MetricsScraper(session)
+    scraper = MetricsScraper(lambda: session)
     scraper.set_endpoints([replica.endpoint])
     await scraper.scrape_once()
     before = scraper.metrics(replica.endpoint.key)
@@ -141,7 +141,7 @@ async def test_http_500_marks_stale_and_keeps_the_last_values(session, start_rep
 
 async def test_unparsable_page_marks_stale(session, start_replica):
     replica = await start_replica(page="<html><body>Not Found</body></html>")
-    scraper = MetricsScraper(session)
+    scraper = MetricsScraper(lambda: session)
     scraper.set_endpoints([replica.endpoint])
 
     await scraper.scrape_once()
@@ -153,7 +153,7 @@ async def test_unparsable_page_marks_stale(session, start_replica):
 async def test_slow_replica_times_out_without_delaying_the_fast_one(session, start_replica):
     fast = await start_replica()
     slow = await start_replica(delay_s=5.0)
-    scraper = MetricsScraper(session, interval_s=0.5, timeout_s=0.5)
+    scraper = MetricsScraper(lambda: session, interval_s=0.5, timeout_s=0.5)
     scraper.set_endpoints([slow.endpoint, fast.endpoint])
 
     started = time.monotonic()
@@ -170,7 +170,7 @@ async def test_connection_refused_marks_stale_and_reports_the_failure(session):
     endpoint = refused_endpoint()
     results: list[tuple[str, bool]] = []
     rounds: list[None] = []
-    scraper = MetricsScraper(session)
+    scraper = MetricsScraper(lambda: session)
     scraper.add_result_listener(lambda key, ok, duration_s: results.append((key, ok)))
     scraper.add_round_listener(lambda: rounds.append(None))
     scraper.set_endpoints([endpoint])
@@ -184,7 +184,7 @@ async def test_connection_refused_marks_stale_and_reports_the_failure(session):
 async def test_metrics_go_stale_by_age_even_without_failed_scrapes(session, start_replica):
     replica = await start_replica(page=render_vllm_metrics([EngineLoad(waiting=4)]))
     clock = FakeClock()
-    scraper = MetricsScraper(session, interval_s=0.2, stale_after_s=1.0, clock=clock)
+    scraper = MetricsScraper(lambda: session, interval_s=0.2, stale_after_s=1.0, clock=clock)
     scraper.set_endpoints([replica.endpoint])
     await scraper.scrape_once()
 
@@ -197,7 +197,7 @@ async def test_metrics_go_stale_by_age_even_without_failed_scrapes(session, star
 
 async def test_recovers_after_failures_and_logs_once_per_transition(session, start_replica, caplog):
     replica = await start_replica(status=503)
-    scraper = MetricsScraper(session)
+    scraper = MetricsScraper(lambda: session)
     scraper.set_endpoints([replica.endpoint])
     caplog.set_level(logging.INFO, logger="kvgate.endpoints")
 
@@ -218,7 +218,7 @@ async def test_recovers_after_failures_and_logs_once_per_transition(session, sta
 
 async def test_removed_endpoint_is_no_longer_scraped(session, start_replica):
     kept, removed = await start_replica(), await start_replica()
-    scraper = MetricsScraper(session, interval_s=0.05, timeout_s=0.05)
+    scraper = MetricsScraper(lambda: session, interval_s=0.05, timeout_s=0.05)
     scraper.set_endpoints([kept.endpoint, removed.endpoint])
     task = asyncio.create_task(scraper.run())
     try:
@@ -236,7 +236,7 @@ async def test_removed_endpoint_is_no_longer_scraped(session, start_replica):
 
 async def test_rounds_never_overlap_on_a_replica_slower_than_the_interval(session, start_replica):
     slow = await start_replica(delay_s=1.0)
-    scraper = MetricsScraper(session, interval_s=0.05, timeout_s=0.04)
+    scraper = MetricsScraper(lambda: session, interval_s=0.05, timeout_s=0.04)
     scraper.set_endpoints([slow.endpoint])
     task = asyncio.create_task(scraper.run())
     try:
@@ -250,7 +250,7 @@ async def test_rounds_never_overlap_on_a_replica_slower_than_the_interval(sessio
 async def test_a_page_slower_than_the_interval_delays_only_its_own_replica_and_stays_fresh(session, start_replica):
     """A busy vLLM engine takes up to ~0.8 s to render /metrics: that is a slow scrape, not a stale replica."""
     slow, fast = await start_replica(delay_s=0.3), await start_replica()
-    scraper = MetricsScraper(session, interval_s=0.05, timeout_s=1.0)
+    scraper = MetricsScraper(lambda: session, interval_s=0.05, timeout_s=1.0)
     scraper.set_endpoints([slow.endpoint, fast.endpoint])
     task = asyncio.create_task(scraper.run())
     try:
@@ -265,4 +265,4 @@ async def test_a_page_slower_than_the_interval_delays_only_its_own_replica_and_s
 
 def test_rejects_a_non_positive_timeout(session):
     with pytest.raises(ValueError, match="must be positive"):
-        MetricsScraper(session, interval_s=0.2, timeout_s=0)
+        MetricsScraper(lambda: session, interval_s=0.2, timeout_s=0)

@@ -12,7 +12,8 @@ from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, Repli
 from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.cache_aware import CacheAwarePolicy
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.priorities import SaturationThresholds, fleet_headroom
+from kvgate.policies.capacity import (SaturationThresholds, estimated_waiting, fleet_headroom, free_seats,
+                                      occupied)
 from kvgate.policies.types import RequestInfo
 from kvgate.router.config import ConfigError, build_config
 from tests.harness import running_gateway, wait_until
@@ -56,12 +57,12 @@ def seats_of(fleet: Fleet, key: str) -> int | None:
 
 def test_what_a_replica_holds_counts_what_was_sent_and_finished_since_its_scrape() -> None:
     state = seated("a", seats=8, running=8, waiting=3, recent=-2)
-    assert state.occupied == 9
-    assert state.estimated_waiting == 1  # two of the three waiting took the seats that freed up
-    assert state.free_seats == 0
-    assert seated("a", seats=8, running=5, recent=1).free_seats == 2
+    assert occupied(state) == 9
+    assert estimated_waiting(state) == 1  # two of the three waiting took the seats that freed up
+    assert free_seats(state) == 0
+    assert free_seats(seated("a", seats=8, running=5, recent=1)) == 2
     unknown = seated("a", seats=None, running=8, waiting=3, recent=2)
-    assert unknown.free_seats is None and unknown.estimated_waiting == 5  # every send counts as waiting
+    assert free_seats(unknown) is None and estimated_waiting(unknown) == 5  # every send counts as waiting
 
 
 def test_seats_are_learned_from_a_queue_seen_twice_and_only_grow() -> None:
@@ -115,7 +116,7 @@ def test_requests_sent_while_a_scrape_is_in_flight_still_count() -> None:
     scrapes.pages["a"] = ReplicaMetrics(running=2, scraped_at=1.0, stale=False)
     fleet.scraped("a", ok=True)
     state = fleet.snapshot().get("a")
-    assert state is not None and state.occupied == 3  # errs high, never low
+    assert state is not None and occupied(state) == 3  # errs high, never low
 
 
 def test_a_reserve_keeps_that_share_of_the_fleets_seats_free() -> None:
@@ -197,7 +198,7 @@ async def test_gateway_learns_the_seats_and_keeps_some_free_for_interactive() ->
             # Batch waits in kvgate while the replica holds at most three: by kvgate's estimate and in fact
             # (a request sent just before a scrape can reach the replica after the page it reads).
             held = lambda: sum(fleet.replicas[0].stats()[k] for k in ("running", "waiting"))  # noqa: E731
-            await wait_until(lambda: replica().occupied <= 3 and held() <= 3
+            await wait_until(lambda: occupied(replica()) <= 3 and held() <= 3
                              and gw.gateway.admission.describe()["waiting"] > 0, timeout=30)
             interactive = await asyncio.wait_for(send("interactive"), 10)
             await asyncio.wait_for(asyncio.gather(*batch), 90)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.policies.capacity import SeatLearner
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +35,7 @@ class Fleet:
         self._sends: Counter[str] = Counter()  # requests ever sent to each replica
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
-        self._seats: dict[str, int] = {}  # learned seat counts
-        self._kv_full = kv_full  # KV-cache use at which a queue waits for blocks rather than seats
-        self._queued: set[str] = set()  # replicas whose last successful scrape showed a waiting queue
+        self._seats = SeatLearner(kv_full)
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -66,8 +65,7 @@ class Fleet:
             self._recent.pop(key, None)
             self._sends.pop(key, None)
             self._sends_at_scrape.pop(key, None)
-            self._seats.pop(key, None)
-            self._queued.discard(key)
+            self._seats.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -92,7 +90,7 @@ class Fleet:
         states = tuple(
             EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
                           models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
-                          seats=self._configured_seats or self._seats.get(key))
+                          seats=self._configured_seats or self._seats.seats(key))
             for key, e in self._endpoints.items()
         )
         snapshot = FleetSnapshot(endpoints=states, now=now)
@@ -118,29 +116,9 @@ class Fleet:
         started_at = self._sends_at_scrape.pop(key, self._sends[key])
         if ok:
             self._recent[key] = self._sends[key] - started_at
-            self._learn_seats(key, self._metrics(key))
-
-    def _learn_seats(self, key: str, metrics: ReplicaMetrics) -> None:
-        """Learn a replica's seat count, which vLLM does not export, from its running count under a queue.
-
-        A queue seen on two scrapes in a row means every seat was taken (a lone arrival between two engine
-        steps waits for one step only), so the running count then is what the replica holds at once, unless
-        the KV cache was full (at `kv_full` or more): then the queue waits for blocks, and the running count
-        says how many of these prompts fit, not how many seats there are. Once known it only grows: a replica
-        never runs more than it has seats, and the headroom lets one request past a learned count so that a
-        low one corrects itself.
-        """
-        seat_bound = metrics.waiting > 0 and metrics.kv_cache_usage < self._kv_full
-        queued_twice = seat_bound and key in self._queued
-        if seat_bound:
-            self._queued.add(key)
-        else:
-            self._queued.discard(key)
-        if queued_twice or key in self._seats:
-            seats = max(self._seats.get(key, 0), metrics.running)
-            if seats and seats != self._seats.get(key):
-                log.info("replica seats learned key=%s seats=%d", key, seats)
-                self._seats[key] = seats
+            learned = self._seats.observe(key, self._metrics(key))
+            if learned is not None:
+                log.info("replica seats learned key=%s seats=%d", key, learned)
 
     def acquire(self, key: str) -> None:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""

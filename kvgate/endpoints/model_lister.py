@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -22,7 +22,7 @@ class ModelLister:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: Callable[[], aiohttp.ClientSession],  # the gateway's, open while it runs
         refresh_s: float = 30.0,
         retry_s: float = 2.0,
         timeout_s: float = 2.0,
@@ -90,7 +90,7 @@ class ModelLister:
 
     async def _list(self, endpoint: Endpoint) -> None:
         try:
-            body = await fetch_body(self._session, endpoint.url + "/v1/models", self._timeout_s)
+            body = await fetch_body(self._session(), endpoint.url + "/v1/models", self._timeout_s)
             payload = orjson.loads(body)
             outcome: frozenset[str] | Exception = model_ids(payload)
         except Exception as exc:  # whatever one replica does must not stop the others' listing

@@ -31,7 +31,7 @@ class MetricsScraper:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        session: Callable[[], aiohttp.ClientSession],  # the gateway's, open while it runs
         interval_s: float = 0.2,
         timeout_s: float | None = None,
         stale_after_s: float | None = None,
@@ -123,7 +123,7 @@ class MetricsScraper:
             _notify(listener, endpoint.key)
         started = time.perf_counter()
         try:
-            page = await fetch_body(self._session, endpoint.url + "/metrics", self._timeout_s)
+            page = await fetch_body(self._session(), endpoint.url + "/metrics", self._timeout_s)
             outcome: ReplicaMetrics | Exception = parse_vllm_metrics(page.decode("utf-8", "replace"),
                                                                      scraped_at=self._clock())
         except Exception as exc:  # whatever one replica does must not stop the round

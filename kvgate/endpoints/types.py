@@ -73,32 +73,6 @@ class EndpointState:
         return 0 if self.metrics.stale else self.metrics.waiting
 
     @property
-    def occupied(self) -> int:
-        """Requests on the replica now, running or waiting: the last scrape moved by what was sent and finished since."""
-        if self.metrics.scraped_at is None:
-            return max(0, self.recent)
-        return max(0, self.metrics.running + self.metrics.waiting + self.recent)
-
-    @property
-    def estimated_waiting(self) -> int:
-        """The replica's queue now: the last scraped depth moved by what was sent and finished since.
-
-        With its seat count known, whatever is on the replica beyond its seats. Without it, conservative: a
-        request sent since the scrape counts as waiting until the next scrape says where it went. 0 for a
-        replica never scraped.
-        """
-        if self.metrics.scraped_at is None:
-            return 0
-        if self.seats:
-            return max(0, self.occupied - self.seats)
-        return max(0, self.metrics.waiting + self.recent)
-
-    @property
-    def free_seats(self) -> int | None:
-        """Seats the replica has free now, None while its seat count is unknown."""
-        return None if not self.seats else max(0, self.seats - self.occupied)
-
-    @property
     def load(self) -> int:
         """Load used for bounding: the gateway's in-flight count plus the replica's waiting queue."""
         return self.in_flight + self.waiting

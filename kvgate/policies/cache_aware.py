@@ -38,7 +38,7 @@ from kvgate.policies.framework import Cycle
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.prefix_index import PrefixIndex, index_capacity_blocks
 from kvgate.policies.profile import continuation_profile, placement_profile
-from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order
+from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.types import Decision, RequestInfo
 
 
@@ -93,7 +93,7 @@ class CacheAwarePolicy:
         else:
             ranked = profile.rank(cycle, eligible)
             reason = self._reason(cycle, ranked[0], candidates)
-        return self._decision(request, matched, ranked, reason)
+        return self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason)
 
     @staticmethod
     def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> str:
@@ -129,7 +129,7 @@ class CacheAwarePolicy:
         return self.index.approx_bytes
 
     def _decision(self, request: RequestInfo, matched: dict[str, int], ranked: list[EndpointState],
-                  reason: str) -> Decision:
+                  fallbacks: tuple[EndpointState, ...], reason: str) -> Decision:
         chosen = ranked[0]
         fraction = matched[chosen.key] / prompt_tokens(request, self._config)
-        return Decision(chosen, reason, matched_fraction=min(fraction, 1.0), fallbacks=tuple(ranked[1:]))
+        return Decision(chosen, reason, matched_fraction=min(fraction, 1.0), fallbacks=fallbacks)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvgate.endpoints.types import EndpointState
+from kvgate.policies.capacity import occupied
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.types import RequestInfo
 
@@ -46,7 +47,7 @@ def requests_ahead(state: EndpointState, uncached_tokens: int, kv_full: float) -
     if fresh and metrics.kv_cache_usage >= kv_full:
         ahead = 0
     elif state.seats:
-        ahead = max(0, state.occupied - state.seats + 1)
+        ahead = max(0, occupied(state) - state.seats + 1)
     else:
         waiting = state.waiting  # fresh scrapes only: a stale one says nothing about now
         ahead = waiting + 1 if waiting else 0

@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 
 from kvgate.endpoints.types import EndpointState
+from kvgate.policies.capacity import has_free_seat
 from kvgate.policies.framework import Cycle
 
 
@@ -55,5 +56,5 @@ class FreeSeatFilter:
 
     def filter(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> tuple[EndpointState, ...]:
         """Candidates that can start the request at once, or every candidate when none can."""
-        seated = tuple(state for state in candidates if state.free_seats != 0)
+        seated = tuple(state for state in candidates if has_free_seat(state))
         return seated or tuple(candidates)

@@ -11,7 +11,7 @@ from kvgate.endpoints.types import FleetSnapshot
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.filters import load_cap
 from kvgate.policies.no_index import NoPrefixIndex
-from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order
+from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.types import Decision, RequestInfo
 
 
@@ -38,4 +38,4 @@ class PrefixHashPolicy(NoPrefixIndex):
             ranked = least_loaded_order(key, candidates)
             return Decision(ranked[0], "fallback", fallbacks=tuple(ranked[1:]))
         reason = "cold" if eligible[0] is order[0] else "overflow"
-        return Decision(eligible[0], reason, fallbacks=tuple(eligible[1:]))
+        return Decision(eligible[0], reason, fallbacks=retry_order(key, eligible, candidates))

@@ -35,3 +35,11 @@ def rendezvous_order(key: int, states: Iterable[EndpointState]) -> list[Endpoint
 def least_loaded_order(key: int, states: Iterable[EndpointState]) -> list[EndpointState]:
     """Endpoints by load, equal loads in the key's rendezvous order (never by list position)."""
     return sorted(states, key=lambda state: (state.load, -rendezvous_weight(key, state.key), state.key))
+
+
+def retry_order(key: int, ranked: Iterable[EndpointState], candidates: Iterable[EndpointState]) -> tuple[EndpointState, ...]:
+    """Where a request goes when its replica fails before answering: the rest of `ranked` (after the chosen one),
+    then every other candidate least loaded first, since a replica over its load cap beats failing."""
+    ranked = list(ranked)
+    kept = {state.key for state in ranked}
+    return (*ranked[1:], *(state for state in least_loaded_order(key, candidates) if state.key not in kept))

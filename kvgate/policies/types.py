@@ -34,7 +34,7 @@ class Decision:
     endpoint: EndpointState
     reason: str  # one of REASONS
     matched_fraction: float = 0.0  # share of the request's blocks the chosen replica is believed to hold
-    fallbacks: tuple[EndpointState, ...] = ()  # ordered alternatives for a retry before any byte was sent
+    fallbacks: tuple[EndpointState, ...] = ()  # every other candidate, in the order a retry tries them
 
 
 REASONS = ("prefix_hit", "cold", "overflow", "fallback", "round_robin", "least_load")

@@ -3,7 +3,7 @@
 Strict priority between classes; within one, FIFO per flow (`x-gateway-inference-fairness-id`) and the flows
 served in turn, so one tenant's flood waits behind itself. The queue releases requests as the fleet drains: when a
 request finishes and after every metrics scrape it recomputes how many more requests the replicas take before
-they are saturated (kvgate.policies.priorities.fleet_headroom, which counts what was sent and finished since each
+they are saturated (kvgate.policies.capacity.room_for, which counts what was sent and finished since each
 scrape), less those already released but not yet sent. While a more important class has traffic, a class with
 a reserve leaves that share of every replica's seats free for it, so an interactive request finds a seat at
 once instead of waiting for a batch request to finish. A request of a preemptible class that can be
@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from kvgate.policies.capacity import ClassStanding
 from kvgate.policies.priorities import PriorityConfig
 from kvgate.policies.types import RequestInfo
 from kvgate.router.errors import GatewayError
@@ -70,11 +71,11 @@ class AdmissionQueue:
     """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
 
     def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
-                 fleet_headroom: Callable[[str, float, bool], float], metrics: GatewayMetrics,
+                 room: Callable[[str, ClassStanding], float], metrics: GatewayMetrics,
                  preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._classes = priorities.classes
-        self._fleet_headroom = fleet_headroom  # (model, reserve share, may probe past a learned seat count)
+        self._room = room  # (model, the class's standing) -> requests of that class the fleet takes now
         self._metrics = metrics
         self._preemption = preemption
         self._clock = clock
@@ -93,13 +94,12 @@ class AdmissionQueue:
         return (self._preemption is not None and not info.stream and info.priority_class in self._config.preemptible
                 and preemptions < self._config.max_preemptions)
 
-    async def admit(self, info: RequestInfo, preemptions: int = 0) -> None:
-        """Return when the request may go to a replica; raise GatewayError(429) when it is shed.
+    async def admit(self, info: RequestInfo, rank: int, preemptions: int = 0) -> None:
+        """Return when the request (of class `rank`) may go to a replica; raise GatewayError(429) when it is shed.
 
         A request coming back after `preemptions` > 0 preemptions queues at the head of its class, unbounded:
         it was admitted once already.
         """
-        rank = self._classes.index(info.priority_class)
         model = info.model
         preemptible = self.preemptible(info, preemptions)
         if not preemptions:
@@ -153,18 +153,11 @@ class AdmissionQueue:
         return any(queues if rank is None else queues[:rank + 1])
 
     def _has_room(self, model: str, rank: int, preemptible: bool) -> bool:
-        """Whether the fleet takes one more request of class `rank`.
-
-        A replica's own queue is first come first served, so while a more important class has traffic a
-        request is never the one let past a replica's learned seat count to wait there (it could take the
-        next seat ahead of a more important one), and a request that may preempt one takes a free seat
-        rather than a place behind a preemptible one; only `saturation.seated_queue` puts requests in a
-        replica's queue then. A preemptible request keeps no reserve, since it gives up its seat on demand.
-        """
-        yields = self._yields(model, rank)
-        reserve = self._config.reserve.get(self._classes[rank], 0.0) if yields and not preemptible else 0.0
-        probe = not yields and not self._may_preempt(model, rank)
-        return self._fleet_headroom(model, reserve, probe) - self._pending[model] >= 1
+        """Whether the fleet takes one more request of class `rank`, besides those released and not yet sent."""
+        standing = ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0),
+                                 yields=self._yields(model, rank), preemptible=preemptible,
+                                 may_preempt=self._may_preempt(model, rank))
+        return self._room(model, standing) - self._pending[model] >= 1
 
     def _may_preempt(self, model: str, rank: int) -> bool:
         """Whether a request of class `rank` could take the seat of a less important one now."""

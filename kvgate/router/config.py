@@ -14,7 +14,8 @@ import yaml
 
 from kvgate.endpoints.discovery import parse_endpoint_urls
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.priorities import PriorityConfig, SaturationThresholds
+from kvgate.policies.capacity import SaturationThresholds
+from kvgate.policies.priorities import PriorityConfig
 from kvgate.router.admission import AdmissionConfig
 
 ENV_PREFIX = "KVGATE_"

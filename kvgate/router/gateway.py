@@ -1,37 +1,34 @@
-"""The gateway's parts and their lifecycle: discovery, scraping, the fleet, the policy and the proxy."""
+"""The gateway's parts and their lifecycle: discovery, scraping, the fleet, admission, the policy and the proxy."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Collection, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from kvgate.endpoints.discovery import Discovery, StaticDiscovery, parse_endpoint_urls
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.kv_events import KvEventAddresses, KvEventSubscriber, ReplicaEventStats
-from kvgate.endpoints.types import EndpointState
 from kvgate.endpoints.model_lister import ModelLister
 from kvgate.endpoints.scraper import MetricsScraper
+from kvgate.endpoints.types import Endpoint, EndpointState
+from kvgate.engine.tokenizer import TokenizerError
 from kvgate.policies import build_policy
+from kvgate.policies.capacity import ClassStanding, occupied, room_for
 from kvgate.policies.precise_index import PrecisePrefixIndex
-from kvgate.policies.priorities import PriorityError, classify, fleet_headroom
-from kvgate.policies.types import Decision, Policy
+from kvgate.policies.types import Policy
 from kvgate.router.admission import AdmissionQueue
 from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
-from kvgate.router.ratelimit import RateLimiter
-from kvgate.engine.tokenizer import TokenizerError
 from kvgate.router.config import ConfigError, GatewayConfig, tokenizer_dirs
-from kvgate.router.errors import GatewayError
+from kvgate.router.http_sessions import HttpSessions
 from kvgate.router.metrics import FleetCollector, GatewayMetrics, KvEventsCollector
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.proxy import Forwarder, UpstreamTimeouts
-from kvgate.router.requests import ParsedRequest
+from kvgate.router.ratelimit import RateLimiter
 from kvgate.router.tokenizing import RequestTokenizer
 
 log = logging.getLogger(__name__)
@@ -58,11 +55,12 @@ def default_discovery(config: GatewayConfig) -> Discovery:
 
 
 class Gateway:
-    """Owns every long-lived part of one gateway instance; opened and closed by aiohttp's cleanup_ctx."""
+    """Every long-lived part of one gateway instance, built at construction; run by aiohttp's cleanup_ctx."""
 
     def __init__(self, config: GatewayConfig, discovery: Discovery) -> None:
         self.config = config
         self.discovery = discovery
+        self.draining = False
         self.metrics = GatewayMetrics()
         # Precise routing: what each replica really caches, from its KV events (off without an events address).
         self.precise = PrecisePrefixIndex(config.kv_events_max_blocks, config.kv_events_hold) \
@@ -73,137 +71,100 @@ class Gateway:
                 if config.tokenizer and self.precise is not None else None
         except TokenizerError as exc:
             raise ConfigError(f"tokenizer: {exc}") from None
-        self.kv_events: KvEventSubscriber | None = None
-        self.draining = False
-        self.fleet: Fleet | None = None
-        self.forwarder: Forwarder | None = None
-        self.admission: AdmissionQueue | None = None
-        self.preemption: PreemptionRegistry | None = None
         # API keys are read at construction so a bad file stops the gateway before it listens.
         self.keys = ApiKeyStore(config.api_keys_file, priority_classes=config.priorities.classes) \
             if config.api_keys_file else None
         self.limiter = RateLimiter()
-        self.models: ModelLister | None = None
-        self.scraper: MetricsScraper | None = None
-
-    def priority_class(self, headers: Mapping[str, str], fallback: str | None = None) -> str:
-        """The request's priority class from its headers (and the pool's objectives); 400 naming a bad header."""
-        objectives = getattr(self.discovery, "objectives", None)  # only InferencePool discovery has them
-        try:
-            return classify(headers, self.config.priorities, fallback, objectives)
-        except PriorityError as exc:
-            raise GatewayError(400, str(exc), param=exc.header) from None
-
-    @asynccontextmanager
-    async def admitted(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> AsyncIterator[Decision]:
-        """The request past the model check and the admission queue, with the policy's decision.
-
-        What the HTTP proxy and the endpoint picker both do before a request goes to a replica: 404 for a
-        model no replica serves, 429 when the queue sheds it, 503 when no replica (of `subset`, `host:port`
-        addresses, when given) can take it. The request's admission is released when the block exits.
-        """
-        assert self.forwarder is not None and self.admission is not None
-        model = parsed.info.model
-        if not self.serves(model) and self.models_known():
-            raise GatewayError(404, f"The model `{model}` does not exist.", param="model")
-        await self.admission.admit(parsed.info)
-        try:
-            yield self.forwarder.choose(parsed, subset)
-        finally:
-            self.admission.release(model)
-
-    def ready(self) -> tuple[bool, str]:
-        """Whether the gateway should receive traffic, and why not."""
-        if self.draining:
-            return False, "draining"
-        if self.fleet is None or not self.discovery.status.synced:
-            return False, "discovery has not listed the replicas yet"
-        if self.fleet.routable_count() == 0:
-            return False, "no routable replica"
-        return True, "ok"
-
-    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """aiohttp cleanup_ctx: open sessions and start background tasks, then close them after the drain."""
-        config = self.config
-        if config.discovery in ("kubernetes", "inferencepool"):
-            from kvgate.endpoints.kubernetes import load_kubernetes_config
-
-            await load_kubernetes_config()
-        proxy_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
-        )
-        poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
-        self.scraper = MetricsScraper(poll_session, interval_s=config.scrape_interval,
+        self.sessions = HttpSessions()
+        self.scraper = MetricsScraper(self.sessions.poll, interval_s=config.scrape_interval,
                                       timeout_s=config.scrape_timeout)
-        self.models = ModelLister(poll_session, refresh_s=config.models_refresh)
+        self.models = ModelLister(self.sessions.poll, refresh_s=config.models_refresh)
         self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats,
                            kv_full=config.saturation.kv_cache)
-        self.fleet.on_endpoints(self.scraper.set_endpoints)
-        self.fleet.on_endpoints(self.models.set_endpoints)
-        self.fleet.on_removed(self.policy.forget)
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
-        self.admission = AdmissionQueue(config.admission, config.priorities, self._fleet_headroom, self.metrics,
+        self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
                                         self.preemption)
-        self.scraper.add_start_listener(self.fleet.scrape_started)
-        self.scraper.add_result_listener(lambda key, ok, _duration: self.fleet.scraped(key, ok))
-        self.scraper.add_round_listener(self.admission.refresh)
-        self.fleet.on_endpoints(lambda _endpoints: self.admission.refresh())
-        self.forwarder = Forwarder(proxy_session, self.fleet, self.policy, self.metrics,
+        self.forwarder = Forwarder(self.sessions.proxy, self.fleet, self.policy, self.metrics,
                                    UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
-                                                    config.request_timeout), config.retries,
+                                                    config.request_timeout),
                                    dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset(),
                                    preemption=self.preemption)
+        self.kv_events = self._kv_event_subscriber(self.precise) if self.precise is not None else None
         self.metrics.add_collector(FleetCollector(
             discovery=lambda: self.discovery.status,
             endpoint_states=lambda: self.fleet.snapshot().endpoints,
             index_blocks=lambda: sum(self.policy.index_sizes().values()),
             index_bytes=self.policy.index_bytes,
         ))
-        if self.precise is not None:
-            self.kv_events = self._subscribe_kv_events(self.precise)
-        tasks = [asyncio.create_task(coro, name=name) for name, coro in (
-            ("discovery", self.discovery.run(self.fleet.apply)),
-            ("scraper", self.scraper.run()),
-            ("models", self.models.run()),
-            *((("api-keys", self.keys.run()),) if self.keys else ()),
-        )]
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            if self.kv_events is not None:
-                await self.kv_events.close()
-            await proxy_session.close()
-            await poll_session.close()
+        if self.kv_events is not None and self.precise is not None:
+            self.metrics.add_collector(KvEventsCollector(self.kv_events.stats, self.precise))
+        self.fleet.on_endpoints(self._endpoints_changed)
+        self.fleet.on_removed(self.policy.forget)
+        self.scraper.add_start_listener(self.fleet.scrape_started)
+        self.scraper.add_result_listener(self._scraped)
+        self.scraper.add_round_listener(self.admission.refresh)
 
-    def _subscribe_kv_events(self, precise: PrecisePrefixIndex) -> KvEventSubscriber:
-        """Follow every replica's KV events; a replica whose connection drops loses the approximate belief too."""
-        assert self.fleet is not None and self.scraper is not None
+    def _endpoints_changed(self, endpoints: Sequence[Endpoint]) -> None:
+        """Discovery changed the replicas: scrape, list and follow the new set, and dispatch what now fits."""
+        self.scraper.set_endpoints(endpoints)
+        self.models.set_endpoints(endpoints)
+        if self.kv_events is not None:
+            self.kv_events.set_endpoints(endpoints)
+        self.admission.refresh()
+
+    def _scraped(self, key: str, ok: bool, _duration: float) -> None:
+        """A scrape of `key` ended: the fleet's load estimate and seat count take it in (admission follows on the
+        round listener, once every replica's scrape of the round is in)."""
+        self.fleet.scraped(key, ok)
+
+    def ready(self) -> tuple[bool, str]:
+        """Whether the gateway should receive traffic, and why not."""
+        if self.draining:
+            return False, "draining"
+        if not self.discovery.status.synced:
+            return False, "discovery has not listed the replicas yet"
+        if self.fleet.routable_count() == 0:
+            return False, "no routable replica"
+        return True, "ok"
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """aiohttp cleanup_ctx: open the HTTP sessions and start the background tasks, then stop both after the drain."""
+        if self.config.discovery in ("kubernetes", "inferencepool"):
+            from kvgate.endpoints.kubernetes import load_kubernetes_config
+
+            await load_kubernetes_config()
+        async with self.sessions.opened():
+            tasks = [asyncio.create_task(coro, name=name) for name, coro in (
+                ("discovery", self.discovery.run(self.fleet.apply)),
+                ("scraper", self.scraper.run()),
+                ("models", self.models.run()),
+                *((("api-keys", self.keys.run()),) if self.keys else ()),
+            )]
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                if self.kv_events is not None:
+                    await self.kv_events.close()
+
+    def _kv_event_subscriber(self, precise: PrecisePrefixIndex) -> KvEventSubscriber:
+        """Follows every replica's KV events; a replica whose connection drops loses the approximate belief too."""
         config, scraper = self.config, self.scraper
-        subscriber = KvEventSubscriber(
+        return KvEventSubscriber(
             precise, KvEventAddresses.parse(config.kv_events_endpoint, "kv_events_endpoint"),
             KvEventAddresses.parse(config.kv_events_replay_endpoint, "kv_events_replay_endpoint"),
             topic=config.kv_events_topic, replay_timeout_s=config.kv_events_replay_timeout, bind=config.kv_events_bind,
             capacity_blocks=lambda key: scraper.metrics(key).num_gpu_blocks, on_lost=self.policy.forget)
-        self.fleet.on_endpoints(subscriber.set_endpoints)
-        self.metrics.add_collector(KvEventsCollector(subscriber.stats, precise))
-        return subscriber
 
     def _candidates(self, model: str) -> tuple[EndpointState, ...]:
         """The replicas that may take a request for `model` now."""
-        assert self.fleet is not None
         return self.fleet.snapshot().candidates(model)
 
-    def _fleet_headroom(self, model: str, reserve: float, probe: bool) -> float:
-        """Requests `model`'s replicas take before all are saturated, leaving `reserve` of their seats free."""
-        candidates = self._candidates(model)
-        # With no candidate there is nothing to wait for: let the request through to its 503 at once.
-        if not candidates:
-            return float("inf")
-        return fleet_headroom(candidates, self.config.saturation, reserve, probe)
+    def _room(self, model: str, standing: ClassStanding) -> float:
+        """Requests of a class standing so that `model`'s replicas take them now (the capacity model's answer)."""
+        return room_for(self._candidates(model), self.config.saturation, standing)
 
     def _describe_events(self, key: str, stats: ReplicaEventStats | None) -> dict[str, Any] | None:
         """One replica's KV events subscription for /debug/fleet; None when it has no events address."""
@@ -213,16 +174,15 @@ class Gateway:
 
     def serves(self, model: str) -> bool:
         """Whether some replica reports serving `model`."""
-        return self.models is not None and self.models.serves(model)
+        return self.models.serves(model)
 
     def models_known(self) -> bool:
         """Whether every endpoint's model list is known, so an unlisted model is truly unknown."""
-        return self.fleet is not None and all(self.models.models(e.key) for e in self.fleet.endpoints) \
-            and bool(self.fleet.endpoints)
+        endpoints = self.fleet.endpoints
+        return bool(endpoints) and all(self.models.models(e.key) for e in endpoints)
 
     def describe(self) -> dict[str, Any]:
         """The /debug/fleet view: replicas, scraped metrics and staleness, the policy's index, discovery."""
-        assert self.fleet is not None
         snapshot = self.fleet.snapshot()
         index = self.policy.index_sizes()
         events = self.kv_events.stats() if self.kv_events is not None else {}
@@ -232,7 +192,7 @@ class Gateway:
             endpoints.append({
                 "key": state.key, "url": state.endpoint.url, "pool": state.endpoint.pool,
                 "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
-                "seats": state.seats, "occupied": state.occupied,
+                "seats": state.seats, "occupied": occupied(state),
                 "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
                 "routing": "precise" if self.precise is not None and self.precise.is_precise(state.key)
                 else "approximate",
@@ -249,4 +209,4 @@ class Gateway:
                     "blocks": self.precise.total_blocks, "bytes": self.precise.approx_bytes,
                     "dropped_blocks": self.precise.dropped_blocks},
                 "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
-                "queue": self.admission.describe() if self.admission else None}
+                "queue": self.admission.describe()}

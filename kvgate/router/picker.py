@@ -2,7 +2,7 @@
 
 Each HTTP request Envoy proxies opens one `ExternalProcessor/Process` stream. kvgate reads the request's
 headers and body, runs them through the same API keys and rate limits, classification, admission queue, policy
-and fleet as its own proxy (Gateway.admitted), and answers with the chosen endpoint (then the fallbacks) in the header
+and fleet as its own proxy (RequestPipeline.read and .admitted), and answers with the chosen endpoint (then the fallbacks) in the header
 `x-gateway-destination-endpoint` and in the `envoy.lb` dynamic metadata; or with an immediate 4xx/5xx. The
 request holds its admission and its replica's in-flight count until Envoy ends the stream, which it does
 when the HTTP request ends, a client cancellation included. The body is read in FULL_DUPLEX_STREAMED mode
@@ -30,14 +30,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.priorities import fairness_id
 from kvgate.policies.types import Decision
 from kvgate.router.auth import CREDENTIAL_HEADERS, require_key
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.gateway import Gateway
 from kvgate.router.headers import request_id as make_request_id
-from kvgate.router.ratelimit import estimate_tokens
-from kvgate.router.requests import ROUTE_KINDS, ParsedRequest, parse_request
+from kvgate.router.pipeline import RequestPipeline
+from kvgate.router.requests import ROUTE_KINDS, InferenceRequest
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +66,13 @@ class _Request:
 class PickerStream:
     """One ext_proc stream: answers each message, and holds the request's admission and replica until closed."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
+    def __init__(self, pipeline: RequestPipeline) -> None:
+        self._pipeline = pipeline
+        self._gateway = pipeline.gateway
         self._held = contextlib.AsyncExitStack()
         self._request: _Request | None = None
         self._decision: Decision | None = None
-        self._parsed: ParsedRequest | None = None
+        self._parsed: InferenceRequest | None = None
         self._replica: str | None = None  # the endpoint whose in-flight count this request holds
         self._status = "-"
 
@@ -153,12 +153,9 @@ class PickerStream:
             key = None if gateway.keys is None else require_key(
                 gateway.keys, request.headers.get("authorization"), gateway.metrics.auth_failures,
                 f"picker id={request.request_id}")
-            priority_class = gateway.priority_class(request.headers, key.priority if key else None)
-            self._parsed = parse_request(request.headers[":path"].partition("?")[0], bytes(request.body),
-                                         priority_class, gateway.config.routing, fairness_id(request.headers))
-            if key is not None:
-                gateway.limiter.admit(key, estimate_tokens(self._parsed))
-            decision = await self._held.enter_async_context(gateway.admitted(self._parsed, request.subset))
+            self._parsed = await self._pipeline.read(request.headers[":path"].partition("?")[0], request.headers,
+                                                     bytes(request.body), key)
+            decision = await self._held.enter_async_context(self._pipeline.admitted(self._parsed, request.subset))
         except GatewayError as error:
             gateway.metrics.rejected.labels(str(error.status), error.param or "-").inc()
             return [self._refusal(error)]
@@ -201,7 +198,7 @@ class PickerStream:
     def _hold(self, state: EndpointState) -> None:
         """Count this request in flight on `state` (instead of on the endpoint it was counted on before)."""
         gateway = self._gateway
-        assert gateway.fleet is not None and self._parsed is not None
+        assert self._parsed is not None
         if self._replica is not None:
             self._release()
         key = self._replica = state.key
@@ -216,7 +213,7 @@ class PickerStream:
 
     def _release(self) -> None:
         gateway = self._gateway
-        assert gateway.fleet is not None and self._replica is not None
+        assert self._replica is not None
         gateway.fleet.release(self._replica)
         gateway.metrics.in_flight.labels(self._replica).dec()
         self._replica = None
@@ -249,12 +246,12 @@ class ExternalProcessor(ext_proc_grpc.ExternalProcessorServicer):
     """The ext_proc service: one PickerStream per stream."""
 
     def __init__(self, gateway: Gateway) -> None:
-        self._gateway = gateway
+        self._pipeline = RequestPipeline(gateway)
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],  # noqa: N802 (gRPC name)
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ext_proc.ProcessingResponse]:
         """Answer Envoy's messages for one HTTP request until it ends the stream."""
-        stream = PickerStream(self._gateway)
+        stream = PickerStream(self._pipeline)
         try:
             async for message in request_iterator:
                 for response in await stream.answer(message):

@@ -4,7 +4,7 @@ A non-streamed request of a preemptible class (batch, by default) gets nothing f
 whole answer is ready, so until then the gateway may cancel it (vLLM aborts a request whose connection
 closes) and queue it again at the head of its class: its client sees only a later answer. kvgate lets such
 requests fill every seat, and when an interactive request finds none free it preempts the youngest one on
-the replica where that frees a seat soonest: the youngest has done the least work, so little is lost.
+the replica where that frees a seat soonest (kvgate.policies.capacity.seat_to_free).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvgate.endpoints.types import EndpointState
+from kvgate.policies.capacity import seat_to_free
 
 T = TypeVar("T")
 
@@ -112,29 +113,20 @@ class PreemptionRegistry:
         return [entry for entry in self._on_replica.get(replica, ()) if entry.rank > rank and not entry.preempted]
 
     def preempt(self, model: str, rank: int) -> int:
-        """Free one seat for a request of `model` and class `rank`; returns how many requests it preempted.
+        """Free one seat for a request of `model` and class `rank`; returns how many requests it preempted (0: none).
 
-        On a replica whose seats are known, freeing one takes as many of its youngest victims as it holds
-        requests beyond its seats, plus one (a request waiting inside it holds no seat). The replica needing
-        the fewest wins, then the one with the youngest victim; 0 when no replica can free a seat this way.
+        Which ones is kvgate.policies.capacity.seat_to_free's choice.
         """
-        best: tuple[tuple[int, int], list[Preemptible]] | None = None
-        for state in self._candidates(model):
-            victims = self._victims(state.key, rank)
-            if not state.seats or not victims:
-                continue
-            held = state.occupied - sum(1 for entry in self._on_replica[state.key] if entry.preempted)
-            need = max(1, held - state.seats + 1)
-            if need > len(victims):
-                continue
-            order = (need, -victims[-1].seq)
-            if best is None or order < best[0]:
-                best = (order, victims[-need:])
-        if best is None:
+        candidates = self._candidates(model)
+        victims = {state.key: self._victims(state.key, rank) for state in candidates}
+        preempted = {state.key: sum(1 for entry in self._on_replica.get(state.key, ()) if entry.preempted)
+                     for state in candidates}
+        chosen = seat_to_free(candidates, victims, preempted)
+        if not chosen:
             return 0
-        freeing = _Freeing(model, len(best[1]))
+        freeing = _Freeing(model, len(chosen))
         self._freeing[model] += 1
-        for entry in best[1]:
+        for entry in chosen:
             entry.freeing = freeing
             entry.signal.set_result(None)
-        return len(best[1])
+        return len(chosen)

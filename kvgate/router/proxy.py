@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -13,12 +13,12 @@ from aiohttp import web
 
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.types import Decision, Policy
+from kvgate.policies.types import Policy
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.headers import forwardable
 from kvgate.router.metrics import GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
-from kvgate.router.requests import ParsedRequest
+from kvgate.router.requests import InferenceRequest
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Outcome:
     attempts: int = 0
 
 
-class _Retryable(Exception):
+class Retryable(Exception):
     """The replica provably did not start the request; another one may take it."""
 
     def __init__(self, cause: str) -> None:
@@ -67,84 +67,40 @@ class _Retryable(Exception):
 
 
 class Forwarder:
-    """Sends parsed requests to replicas chosen by the policy and relays responses chunk by chunk."""
+    """Sends a request to one replica and relays its answer chunk by chunk."""
 
-    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet, policy: Policy, metrics: GatewayMetrics,
-                 timeouts: UpstreamTimeouts, retries: int, dropped_headers: frozenset[str] = frozenset(),
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], fleet: Fleet, policy: Policy,
+                 metrics: GatewayMetrics, timeouts: UpstreamTimeouts, dropped_headers: frozenset[str] = frozenset(),
                  preemption: PreemptionRegistry | None = None) -> None:
         self._session = session
         self._fleet = fleet
         self._policy = policy
         self._metrics = metrics
         self._timeout = timeouts.client_timeout()
-        self._retries = retries
         # The gateway's own credentials never reach a replica, nor Content-Encoding: the server already
         # decoded a compressed request body, so what goes upstream is the plain body.
-        self._dropped_headers = frozenset(dropped_headers) | _DECODED
+        self.dropped_headers = frozenset(dropped_headers) | _DECODED
         self._preemption = preemption
 
-    def choose(self, parsed: ParsedRequest, subset: Collection[str] | None = None) -> Decision:
-        """Pick a replica for the request, among the `host:port` addresses of `subset` when given; 503 for none."""
-        snapshot = self._fleet.snapshot()
-        if subset is not None:
-            snapshot = snapshot.restricted(lambda state: state.endpoint.address in subset)
-        decision = self._policy.pick(parsed.info, snapshot)
-        if decision is None:
-            raise GatewayError(503, "no replica can take this request now; retry shortly",
-                               headers={"Retry-After": "1"})
-        self._metrics.decisions.labels(self._policy.name, decision.reason).inc()
-        self._metrics.matched_fraction.observe(decision.matched_fraction)
-        return decision
-
-    async def forward(self, request: web.Request, parsed: ParsedRequest, decision: Decision,
-                      outcome: Outcome, preemptible_rank: int | None = None) -> web.StreamResponse:
-        """Proxy the request, retrying on another replica only while nothing reached the client.
+    async def attempt(self, http: web.Request, request: InferenceRequest, target: EndpointState,
+                      headers: dict[str, str], outcome: Outcome, preemptible_rank: int | None) -> web.StreamResponse:
+        """Send the request to `target` and relay its answer; Retryable when the replica provably did not start it.
 
         With `preemptible_rank` (its class), a more important request may take its seat until the replica
         answers: it raises Preempted then.
         """
-        headers = forwardable(request.headers, self._dropped_headers)
-        headers["x-request-id"] = outcome.request_id
-        tried: list[str] = []
-        target: EndpointState | None = decision.endpoint
-        while target is not None:
-            tried.append(target.key)
-            outcome.attempts = len(tried)
-            outcome.replica = target.key
-            try:
-                return await self._attempt(request, parsed, target, headers, outcome, preemptible_rank)
-            except _Retryable as exc:
-                outcome.error = exc.cause
-                target = self._next_target(parsed, decision, tried) if len(tried) <= self._retries else None
-                if target is None:
-                    break
-                self._metrics.retries.labels(exc.cause).inc()
-                log.info("retrying id=%s replica=%s cause=%s", outcome.request_id, tried[-1], exc.cause)
-        raise GatewayError(503, "no replica could be reached; retry shortly", headers={"Retry-After": "1"})
-
-    def _next_target(self, parsed: ParsedRequest, decision: Decision, tried: list[str]) -> EndpointState | None:
-        """The policy's next fallback not tried yet, else the least loaded candidate not tried yet."""
-        for state in decision.fallbacks:
-            if state.key not in tried:
-                return state
-        # The policy's fallbacks skip replicas over their load cap; an over-cap replica beats failing.
-        others = [s for s in self._fleet.snapshot().candidates(parsed.info.model) if s.key not in tried]
-        return min(others, key=lambda s: s.load, default=None)
-
-    async def _attempt(self, request: web.Request, parsed: ParsedRequest, target: EndpointState,
-                       headers: dict, outcome: Outcome, preemptible_rank: int | None) -> web.StreamResponse:
         key = target.key
         self._fleet.acquire(key)
-        self._policy.record(parsed.info, target)
+        self._policy.record(request.info, target)
         gauge = self._metrics.in_flight.labels(key)
         gauge.inc()
         upstream: aiohttp.ClientResponse | None = None
         try:
-            opening = self._open(target, request, parsed, headers)
+            opening = self._open(target, http, request, headers)
             if self._preemption is not None and preemptible_rank is not None:
-                opening = self._preemption.unless_preempted(parsed.info.model, key, preemptible_rank, opening)
+                opening = self._preemption.unless_preempted(request.model, key, preemptible_rank, opening)
             upstream, prefetched = await opening
-            return await self._relay(request, upstream, prefetched, outcome)
+            return await self._relay(http, upstream, prefetched, outcome)
         finally:
             gauge.dec()
             self._fleet.release(key)
@@ -156,18 +112,18 @@ class Forwarder:
                 else:
                     upstream.close()
 
-    async def _open(self, target: EndpointState, request: web.Request, parsed: ParsedRequest,
-                    headers: dict) -> tuple[aiohttp.ClientResponse, bytes | None]:
+    async def _open(self, target: EndpointState, http: web.Request, request: InferenceRequest,
+                    headers: dict[str, str]) -> tuple[aiohttp.ClientResponse, bytes | None]:
         """Send the request; returns the response and its body when it had to be read already."""
-        url = target.endpoint.url + request.rel_url.path_qs
+        url = target.endpoint.url + http.rel_url.path_qs
         try:
-            upstream = await self._session.post(url, data=parsed.raw, headers=headers, timeout=self._timeout,
-                                                allow_redirects=False)
+            upstream = await self._session().post(url, data=request.upstream_body, headers=headers,
+                                                  timeout=self._timeout, allow_redirects=False)
         except aiohttp.ClientConnectorError as exc:
             self._metrics.upstream_errors.labels("connect", target.key).inc()
             self._fleet.health.failure(target.key, "connect")
             log.warning("upstream connect failed replica=%s error=%s", target.key, exc.os_error or exc)
-            raise _Retryable("connect") from None
+            raise Retryable("connect") from None
         except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
             self._metrics.upstream_errors.labels("timeout", target.key).inc()
             self._fleet.health.failure(target.key, "timeout")
@@ -177,7 +133,7 @@ class Forwarder:
             # whose connection is gone (or is dead itself), so another replica may take it.
             self._metrics.upstream_errors.labels("disconnected", target.key).inc()
             log.warning("upstream disconnected before answering replica=%s error=%s", target.key, exc)
-            raise _Retryable("disconnected") from None
+            raise Retryable("disconnected") from None
         except aiohttp.ClientError as exc:
             self._metrics.upstream_errors.labels("protocol", target.key).inc()
             raise GatewayError(502, f"the replica failed before answering: {type(exc).__name__}") from None
@@ -186,13 +142,13 @@ class Forwarder:
             upstream.release()
             if _VLLM_SHUTDOWN_ANSWERS[upstream.status] in body:
                 self._fleet.health.failure(target.key, "replica_shutdown")  # it is leaving: stop choosing it
-                raise _Retryable("replica_shutdown")
+                raise Retryable("replica_shutdown")
             self._fleet.health.success(target.key)
             return upstream, body
         self._fleet.health.success(target.key)  # any answer, 4xx and 5xx included, means it is up
         return upstream, None
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, prefetched: bytes | None,
+    async def _relay(self, http: web.Request, upstream: aiohttp.ClientResponse, prefetched: bytes | None,
                      outcome: Outcome) -> web.StreamResponse:
         """Write the replica's status, headers and body to the client as they arrive."""
         is_sse = upstream.content_type == _SSE
@@ -220,7 +176,7 @@ class Forwarder:
         elif upstream.content_length is not None:
             response.content_length = upstream.content_length
         outcome.status = upstream.status
-        await response.prepare(request)
+        await response.prepare(http)
         try:
             if prefetched is not None:
                 outcome.ttfb = time.monotonic() - outcome.arrived
@@ -246,7 +202,7 @@ class Forwarder:
                 await response.write(b"data: " + error_body(502, message) + b"\n\ndata: [DONE]\n\n")
             else:
                 # A truncated plain body cannot be repaired; closing tells the client it is incomplete.
-                request.transport.close()
+                http.transport.close()
                 return response
         await response.write_eof()
         return response

@@ -9,28 +9,16 @@ from dataclasses import dataclass
 
 from kvgate.router.auth import KeyInfo
 from kvgate.router.errors import GatewayError
-from kvgate.router.requests import ParsedRequest
+from kvgate.router.requests import InferenceRequest
 
 # A prompt's size counts text characters and 4 per token id (policies' TOKEN_BYTES); text runs about
 # 4 characters per token, so one divisor estimates both.
 CHARS_PER_TOKEN = 4
 
 
-def estimate_tokens(parsed: ParsedRequest) -> int:
+def estimate_tokens(request: InferenceRequest) -> int:
     """Tokens a request may cost: its prompt estimated from its size, plus the completion tokens it asks for."""
-    body = parsed.body
-    prompt = math.ceil(parsed.info.prompt_chars / CHARS_PER_TOKEN)
-    # vLLM: max_completion_tokens supersedes max_tokens; `n` completions each get that many.
-    limit = body.get("max_completion_tokens")
-    if limit is None:
-        limit = body.get("max_tokens")
-    choices = body.get("n")
-    return prompt + _count(limit, 0) * _count(choices, 1)
-
-
-def _count(value: object, default: int) -> int:
-    """A non-negative integer field, or `default` when it is absent or malformed (the replica will refuse it)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+    return math.ceil(request.info.prompt_chars / CHARS_PER_TOKEN) + request.completion_tokens
 
 
 @dataclass(slots=True)

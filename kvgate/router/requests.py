@@ -1,9 +1,8 @@
-"""Reading and checking an inference request body, once, into the objects routing needs."""
+"""Reading and checking an inference request body, once, into the object every later stage takes."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,18 +22,28 @@ ROUTE_KINDS = {
 
 
 @dataclass(frozen=True, slots=True)
-class ParsedRequest:
-    """An inference request as the gateway understood it."""
+class InferenceRequest:
+    """One inference request as the gateway understood it: read once, then carried through every stage."""
 
-    kind: str
-    body: dict[str, Any]
-    raw: bytes  # forwarded byte-identical
-    info: RequestInfo
+    kind: str  # chat, completion or embedding
+    info: RequestInfo  # model, class, flow, stream flag and prompt keys: what admission and routing read
+    rank: int  # its class's place in the priority order, 0 = most important
+    completion_tokens: int  # tokens it may generate: max_completion_tokens (else max_tokens) x n, 0 when unbounded
+    upstream_body: bytes  # what goes to the replica: the client's bytes, or re-encoded once with vLLM's priority
+    payload: Mapping[str, Any]  # the decoded body, for the tokenizer stage only
+
+    @property
+    def model(self) -> str:
+        """The model (or LoRA adapter) it names."""
+        return self.info.model
 
 
-def parse_request(path: str, raw: bytes, priority_class: str, routing: RoutingConfig,
-                  flow: str = DEFAULT_FLOW) -> ParsedRequest:
-    """Parse and sanity-check a body of a request of `flow` (its fairness id); GatewayError(400) names a bad field."""
+def parse_request(path: str, raw: bytes, priority_class: str, rank: int, routing: RoutingConfig,
+                  flow: str = DEFAULT_FLOW, upstream_priority: bool = False) -> InferenceRequest:
+    """Parse and sanity-check a body of a request of `flow` (its fairness id); GatewayError(400) names a bad field.
+
+    With `upstream_priority` the body sent upstream carries vLLM's `priority`: the class's rank (lower runs earlier).
+    """
     kind, prompt_field = ROUTE_KINDS[path]
     try:
         body = orjson.loads(raw)
@@ -55,10 +64,20 @@ def parse_request(path: str, raw: bytes, priority_class: str, routing: RoutingCo
     if stream is not None and not isinstance(stream, bool):
         raise GatewayError(400, "'stream' must be a boolean", param="stream")
     info = build_request_info(kind, body, priority_class, routing, body_bytes=len(raw), flow=flow)
-    return ParsedRequest(kind=kind, body=body, raw=raw, info=info)
+    upstream = orjson.dumps({**body, "priority": rank}) if upstream_priority else raw
+    return InferenceRequest(kind=kind, info=info, rank=rank, completion_tokens=completion_tokens(body),
+                            upstream_body=upstream, payload=body)
 
 
-def with_upstream_priority(parsed: ParsedRequest, classes: Sequence[str]) -> ParsedRequest:
-    """The request with vLLM's `priority` set from its class (0 for the most important; lower runs earlier)."""
-    body = {**parsed.body, "priority": classes.index(parsed.info.priority_class)}
-    return dataclasses.replace(parsed, body=body, raw=orjson.dumps(body))
+def completion_tokens(body: Mapping[str, Any]) -> int:
+    """Tokens a body asks to generate: vLLM's max_completion_tokens supersedes max_tokens; `n` completions each get
+    that many. 0 when it sets no bound or a malformed one (the replica will refuse it)."""
+    limit = body.get("max_completion_tokens")
+    if limit is None:
+        limit = body.get("max_tokens")
+    return _count(limit, 0) * _count(body.get("n"), 1)
+
+
+def _count(value: object, default: int) -> int:
+    """A non-negative integer field, or `default` when it is absent or malformed."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default

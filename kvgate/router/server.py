@@ -15,6 +15,7 @@ from kvgate.router.auth import auth_middleware
 from kvgate.router.errors import GatewayError, error_response
 from kvgate.router.gateway import Gateway
 from kvgate.router.handlers import Handlers
+from kvgate.router.pipeline import RequestPipeline
 from kvgate.router.limits import ConnectionGuard, ConnectionLimits, raise_open_file_limit
 from kvgate.router.requests import ROUTE_KINDS
 
@@ -45,8 +46,9 @@ def build_apps(gateway: Gateway) -> tuple[web.Application, web.Application | Non
         middlewares.append(auth_middleware(gateway.keys, gateway.metrics.auth_failures))
     app = web.Application(middlewares=middlewares, client_max_size=gateway.config.max_body_bytes)
     app.cleanup_ctx.append(gateway.lifecycle)
+    pipeline = RequestPipeline(gateway)
     for path in ROUTE_KINDS:
-        app.router.add_post(path, handlers.inference)
+        app.router.add_post(path, pipeline.handle)
     app.router.add_get("/v1/models", handlers.models)
     admin_routes = [("/healthz", handlers.healthz), ("/readyz", handlers.readyz),
                     ("/metrics", handlers.metrics), ("/debug/fleet", handlers.debug_fleet)]

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping
 
 from kvgate.engine.tokenizer import EngineTokenizer
-from kvgate.router.requests import ParsedRequest
+from kvgate.router.requests import InferenceRequest
 
 log = logging.getLogger(__name__)
 
@@ -32,20 +32,20 @@ class RequestTokenizer:
             found = next(iter(self._tokenizers.values()))
         return found
 
-    async def tokenize(self, parsed: ParsedRequest) -> ParsedRequest:
+    async def tokenize(self, request: InferenceRequest) -> InferenceRequest:
         """The request with its token ids, or unchanged (routed approximately) when they cannot be computed."""
-        tokenizer = self.for_model(parsed.info.model)
-        if tokenizer is None or parsed.kind not in ("chat", "completion"):
-            return parsed
+        tokenizer = self.for_model(request.model)
+        if tokenizer is None or request.kind not in ("chat", "completion"):
+            return request
         try:
-            if parsed.info.body_bytes > self._offload_bytes:
+            if request.info.body_bytes > self._offload_bytes:
                 loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(None, tokenizer.request_ids, parsed.kind, parsed.body)
+                ids = await loop.run_in_executor(None, tokenizer.request_ids, request.kind, request.payload)
             else:
-                ids = tokenizer.request_ids(parsed.kind, parsed.body)
+                ids = tokenizer.request_ids(request.kind, request.payload)
         except Exception as exc:  # noqa: BLE001 - a body the template or tokenizer refuses: the engine will answer it
-            log.debug("tokenization failed model=%s: %s", parsed.info.model, exc)
-            return parsed
+            log.debug("tokenization failed model=%s: %s", request.model, exc)
+            return request
         if not ids:
-            return parsed
-        return dataclasses.replace(parsed, info=dataclasses.replace(parsed.info, token_ids=tuple(ids)))
+            return request
+        return dataclasses.replace(request, info=dataclasses.replace(request.info, token_ids=tuple(ids)))

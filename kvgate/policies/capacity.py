@@ -1,0 +1,232 @@
+"""The capacity model: how many more requests a replica and a fleet take, and the seats behind that answer.
+
+Every feature that asks "is there room?" asks here: admission (room for one more request of a class),
+routing (which replicas have a free seat), preemption (which seat to free) and the fleet's seat learning.
+A replica's load is read from its last scrape moved by what this gateway sent and saw finish since
+(EndpointState.recent); its seats (vLLM --max-num-seqs) are configured or learned from /metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from kvgate.endpoints.types import EndpointState, ReplicaMetrics
+
+
+@dataclass(frozen=True)
+class SaturationThresholds:
+    """A replica is saturated at this queue depth, KV-cache use or gateway in-flight count (0 = no limit)."""
+
+    queue: int = 5
+    kv_cache: float = 0.8
+    in_flight: int = 0
+    seats: int = 0  # sequences each replica runs at once (vLLM --max-num-seqs); 0 = learn it from /metrics
+    seated_queue: int = 0  # with a replica's seats known, requests that may wait inside it; the rest wait in kvgate
+
+
+def occupied(state: EndpointState) -> int:
+    """Requests on the replica now, running or waiting: the last scrape moved by what was sent and finished since."""
+    if state.metrics.scraped_at is None:
+        return max(0, state.recent)
+    return max(0, state.metrics.running + state.metrics.waiting + state.recent)
+
+
+def estimated_waiting(state: EndpointState) -> int:
+    """The replica's queue now: the last scraped depth moved by what was sent and finished since.
+
+    With its seat count known, whatever is on the replica beyond its seats. Without it, conservative: a
+    request sent since the scrape counts as waiting until the next scrape says where it went. 0 for a
+    replica never scraped.
+    """
+    if state.metrics.scraped_at is None:
+        return 0
+    if state.seats:
+        return max(0, occupied(state) - state.seats)
+    return max(0, state.metrics.waiting + state.recent)
+
+
+def free_seats(state: EndpointState) -> int | None:
+    """Seats the replica has free now, None while its seat count is unknown."""
+    return None if not state.seats else max(0, state.seats - occupied(state))
+
+
+def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True) -> float:
+    """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
+
+    Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
+    (a replica too busy to answer /metrics, say) count only what was sent since the last good scrape: a
+    failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
+    replica never scraped fails open. With the replica's seats known, requests beyond its seats and
+    `seated_queue` wait in kvgate's queue, which orders them by priority and hands each the first seat that
+    frees up anywhere, instead of in the replica's own queue. `probe` False keeps a request from being the one
+    let past a learned seat count (_probe), so that it never waits in a replica's queue unless `seated_queue`
+    allows it.
+    """
+    room = float("inf")
+    metrics = state.metrics
+    if metrics.scraped_at is not None:
+        if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
+            return 0.0
+        if limits.queue:
+            waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state)
+            room = max(0.0, limits.queue - waiting)
+    if state.seats:
+        inside = max(limits.seated_queue, _probe(limits)) if probe else limits.seated_queue
+        room = min(room, max(0.0, state.seats + inside - occupied(state)))
+    if limits.in_flight:
+        room = min(room, max(0.0, limits.in_flight - state.in_flight))
+    return room
+
+
+def _probe(limits: SaturationThresholds) -> int:
+    """Requests let past a replica's seat count: one when the count is learned, since it may be low and only
+    a replica running more than it shows more (SeatLearner); none when the operator configured it."""
+    return 0 if limits.seats else 1
+
+
+def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
+                   probe: bool = True) -> float:
+    """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
+
+    `reserve` is the share of the candidates' seats that must stay free for more important classes,
+    pooled over the fleet because a request that needs a seat is routed to whichever replica has one.
+    `probe` is headroom()'s. A class keeping a reserve sends a replica whose seats are unknown one request
+    at a time past its last scraped queue: enough to fill it and show its seat count, never a queue that
+    others wait behind.
+    """
+    room = 0.0
+    seated: list[EndpointState] = []
+    for state in candidates:
+        if state.seats:
+            seated.append(state)
+        elif reserve > 0:
+            room += min(headroom(state, limits), max(0, 1 - estimated_waiting(state)))
+        else:
+            room += headroom(state, limits)
+    if seated:
+        seated_room = sum(headroom(state, limits, probe) for state in seated)
+        if reserve > 0:
+            seats = sum(state.seats or 0 for state in seated)
+            kept = min(math.ceil(reserve * seats), seats - 1)  # never every seat: the class would starve
+            seated_room = min(seated_room, max(0, sum(free_seats(state) or 0 for state in seated) - kept))
+        room += seated_room
+    return room
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStanding:
+    """Where a request's class stands against the others when it asks for room."""
+
+    reserve: float = 0.0  # share of seats its class leaves free for more important ones (AdmissionConfig.reserve)
+    yields: bool = False  # a more important class sent traffic recently
+    preemptible: bool = False  # it gives up its seat on demand
+    may_preempt: bool = False  # it could take the seat of a less important request now
+
+    @property
+    def kept_reserve(self) -> float:
+        """The reserve it keeps now: none unless a more important class is active, none when preemptible."""
+        return self.reserve if self.yields and not self.preemptible else 0.0
+
+    @property
+    def probes(self) -> bool:
+        """Whether it may be the one let past a learned seat count (headroom's `probe`)."""
+        return not self.yields and not self.may_preempt
+
+
+def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding) -> float:
+    """Requests of one class the candidates take now; infinite when there is no candidate (its 503 is at once).
+
+    A replica's own queue is first come first served, so while a more important class has traffic a
+    request is never the one let past a replica's learned seat count to wait there (it could take the
+    next seat ahead of a more important one), and a request that may preempt one takes a free seat
+    rather than a place behind a preemptible one; only `seated_queue` puts requests in a replica's queue
+    then. A preemptible request keeps no reserve, since it gives up its seat on demand.
+    """
+    if not candidates:
+        return float("inf")
+    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes)
+
+
+def has_free_seat(state: EndpointState) -> bool:
+    """Whether the replica can start a request at once, as far as is known (an unknown seat count says yes)."""
+    return free_seats(state) != 0
+
+
+class SeatLearner:
+    """Learns each replica's seat count, which vLLM does not export, from its running count under a queue.
+
+    A queue seen on two scrapes in a row means every seat was taken (a lone arrival between two engine
+    steps waits for one step only), so the running count then is what the replica holds at once, unless
+    the KV cache was full (at `kv_full` or more): then the queue waits for blocks, and the running count
+    says how many of these prompts fit, not how many seats there are. Once known it only grows: a replica
+    never runs more than it has seats, and headroom() lets one request past a learned count so that a
+    low one corrects itself.
+    """
+
+    def __init__(self, kv_full: float) -> None:
+        self._kv_full = kv_full
+        self._seats: dict[str, int] = {}
+        self._queued: set[str] = set()  # replicas whose last successful scrape showed a waiting queue
+
+    def observe(self, key: str, metrics: ReplicaMetrics) -> int | None:
+        """Take in one successful scrape of `key`; returns its seat count when this scrape changed it."""
+        seat_bound = metrics.waiting > 0 and metrics.kv_cache_usage < self._kv_full
+        queued_twice = seat_bound and key in self._queued
+        if seat_bound:
+            self._queued.add(key)
+        else:
+            self._queued.discard(key)
+        if queued_twice or key in self._seats:
+            seats = max(self._seats.get(key, 0), metrics.running)
+            if seats and seats != self._seats.get(key):
+                self._seats[key] = seats
+                return seats
+        return None
+
+    def seats(self, key: str) -> int | None:
+        """The learned seat count of `key`, None while unknown."""
+        return self._seats.get(key)
+
+    def forget(self, key: str) -> None:
+        """Drop what was learned about a replica that left."""
+        self._seats.pop(key, None)
+        self._queued.discard(key)
+
+
+class SeatHolder(Protocol):
+    """A request holding a seat it would give up on demand."""
+
+    @property
+    def seq(self) -> int:
+        """Order of sending: the highest is the youngest."""
+        ...
+
+
+H = TypeVar("H", bound=SeatHolder)
+
+
+def seat_to_free(candidates: Sequence[EndpointState], victims: Mapping[str, Sequence[H]],
+                 preempted: Mapping[str, int]) -> list[H]:
+    """The requests to preempt so that one seat frees up soonest; empty when no replica can free one this way.
+
+    `victims` lists each replica's preemptible requests oldest first, `preempted` how many on it already let
+    go. On a replica whose seats are known, freeing one takes as many of its youngest victims as it holds
+    requests beyond its seats, plus one (a request waiting inside it holds no seat). The replica needing the
+    fewest wins, then the one with the youngest victim: the youngest has done the least work, so little is lost.
+    """
+    best: tuple[tuple[int, int], list[H]] | None = None
+    for state in candidates:
+        mine = victims.get(state.key, ())
+        if not state.seats or not mine:
+            continue
+        held = occupied(state) - preempted.get(state.key, 0)
+        need = max(1, held - state.seats + 1)
+        if need > len(mine):
+            continue
+        order = (need, -mine[-1].seq)
+        if best is None or order < best[0]:
+            best = (order, list(mine[-need:]))
+    return [] if best is None else best[1]

@@ -1,0 +1,64 @@
+"""The capacity model as plain data: a class's standing, room for it, retry order, the seat a preemption frees."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
+from kvgate.policies.capacity import ClassStanding, SaturationThresholds, SeatLearner, room_for, seat_to_free
+from kvgate.policies.rendezvous import retry_order
+
+
+def replica(key: str, seats: int | None, running: int = 0, waiting: int = 0, in_flight: int = 0) -> EndpointState:
+    metrics = ReplicaMetrics(running=running, waiting=waiting, scraped_at=1.0, stale=False)
+    return EndpointState(Endpoint(key, f"http://{key}:8000"), metrics=metrics, seats=seats, in_flight=in_flight)
+
+
+@dataclass(frozen=True)
+class Holder:
+    seq: int
+
+
+def test_a_reserve_is_kept_only_while_a_more_important_class_is_active_and_never_by_a_preemptible_request() -> None:
+    fleet = [replica("a", seats=4, running=2), replica("b", seats=4, running=2)]  # 4 seats free of 8
+    limits = SaturationThresholds()
+    assert room_for(fleet, limits, ClassStanding(reserve=0.5)) == 4 + 2  # alone: every free seat, one probe each
+    assert room_for(fleet, limits, ClassStanding(reserve=0.5, yields=True)) == 0  # 4 of 8 seats kept free
+    assert room_for(fleet, limits, ClassStanding(reserve=0.5, yields=True, preemptible=True)) == 4
+    assert room_for(fleet, limits, ClassStanding(may_preempt=True)) == 4  # a seat, never a place in a queue
+
+
+def test_no_candidate_means_no_wait() -> None:
+    assert room_for([], SaturationThresholds(), ClassStanding(yields=True)) == float("inf")
+
+
+def test_a_full_kv_cache_leaves_no_room_whatever_the_seats() -> None:
+    full = EndpointState(Endpoint("a", "http://a:8000"), seats=8,
+                         metrics=ReplicaMetrics(running=1, kv_cache_usage=0.9, scraped_at=1.0, stale=False))
+    assert room_for([full], SaturationThresholds(kv_cache=0.8), ClassStanding()) == 0
+
+
+def test_seats_learned_under_a_full_kv_cache_are_not_seats() -> None:
+    learner = SeatLearner(kv_full=0.8)
+    for _ in range(3):
+        assert learner.observe("a", ReplicaMetrics(running=3, waiting=2, kv_cache_usage=0.95)) is None
+    assert learner.seats("a") is None
+    learner.observe("a", ReplicaMetrics(running=5, waiting=1, kv_cache_usage=0.5))
+    assert learner.observe("a", ReplicaMetrics(running=6, waiting=1, kv_cache_usage=0.5)) == 6
+    learner.forget("a")
+    assert learner.seats("a") is None
+
+
+def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_then_the_youngest() -> None:
+    over = replica("a", seats=2, running=2, waiting=1)  # one beyond its seats: freeing a seat takes two
+    full = replica("b", seats=2, running=2)
+    victims = {"a": [Holder(1), Holder(5)], "b": [Holder(2), Holder(3)]}
+    assert seat_to_free([over, full], victims, {}) == [Holder(3)]
+    assert seat_to_free([over], victims, {}) == [Holder(1), Holder(5)]
+    assert seat_to_free([over], victims, {"a": 1}) == [Holder(5)]  # one already let go
+    assert seat_to_free([replica("c", seats=None, running=2)], {"c": [Holder(4)]}, {}) == []  # seats unknown
+
+
+def test_retries_try_every_candidate_after_the_ranked_ones_least_loaded_first() -> None:
+    a, b, c, d = (replica(key, seats=None, in_flight=load) for key, load in (("a", 0), ("b", 9), ("c", 5), ("d", 1)))
+    assert [s.key for s in retry_order(7, [a, c], [a, b, c, d])] == ["c", "d", "b"]
