@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
-from kvgate.policies.capacity import SeatLearner
+from kvgate.policies.capacity import SeatLearner, slots
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class Fleet:
         self._sends: Counter[str] = Counter()  # requests ever sent to each replica
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
+        self._kv_full = kv_full  # KV-cache use that bounds what a replica runs at once
         self._seats = SeatLearner(kv_full)
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
@@ -87,15 +88,16 @@ class Fleet:
         now = self._clock()
         if self._cached is not None and self._cached[0] == version and now - self._cached[1].now < _REUSE_S:
             return self._cached[1]
-        states = tuple(
-            EndpointState(endpoint=e, metrics=self._metrics(key), in_flight=self._in_flight[key],
-                          models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
-                          seats=self._configured_seats or self._seats.seats(key))
-            for key, e in self._endpoints.items()
-        )
+        states = tuple(self._state(key, endpoint) for key, endpoint in self._endpoints.items())
         snapshot = FleetSnapshot(endpoints=states, now=now)
         self._cached = (version, snapshot)
         return snapshot
+
+    def _state(self, key: str, endpoint: Endpoint) -> EndpointState:
+        metrics = self._metrics(key)
+        return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key],
+                             models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
+                             seats=slots(self._configured_seats or self._seats.seats(key), metrics, self._kv_full))
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""

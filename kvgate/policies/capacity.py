@@ -34,18 +34,22 @@ def occupied(state: EndpointState) -> int:
     return max(0, state.metrics.running + state.metrics.waiting + state.recent)
 
 
-def estimated_waiting(state: EndpointState) -> int:
+def estimated_waiting(state: EndpointState, cautious: bool = False) -> int:
     """The replica's queue now: the last scraped depth moved by what was sent and finished since.
 
-    With its seat count known, whatever is on the replica beyond its seats. Without it, conservative: a
-    request sent since the scrape counts as waiting until the next scrape says where it went. 0 for a
-    replica never scraped.
+    With its seat count known, whatever is on the replica beyond its seats. Without it, a request sent since
+    the scrape is taken to run when the scrape showed no queue (an idle replica takes a burst at once, and
+    the next scrape shows where it went) and to wait behind the queue it showed; `cautious` counts every
+    such request as waiting until the next scrape. 0 for a replica never scraped.
     """
-    if state.metrics.scraped_at is None:
+    metrics = state.metrics
+    if metrics.scraped_at is None:
         return 0
     if state.seats:
         return max(0, occupied(state) - state.seats)
-    return max(0, state.metrics.waiting + state.recent)
+    if not metrics.waiting and not cautious:
+        return 0
+    return max(0, metrics.waiting + state.recent)
 
 
 def free_seats(state: EndpointState) -> int | None:
@@ -63,7 +67,8 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     `seated_queue` wait in kvgate's queue, which orders them by priority and hands each the first seat that
     frees up anywhere, instead of in the replica's own queue. `probe` False keeps a request from being the one
     let past a learned seat count (_probe), so that it never waits in a replica's queue unless `seated_queue`
-    allows it.
+    allows it, and counts every request sent since the scrape to a replica of unknown seats as waiting: only
+    a request that nobody more important waits behind is let into a replica on the hope that it has room.
     """
     room = float("inf")
     metrics = state.metrics
@@ -71,7 +76,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
         if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
         if limits.queue:
-            waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state)
+            waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, cautious=not probe)
             room = max(0.0, limits.queue - waiting)
     if state.seats:
         inside = max(limits.seated_queue, _probe(limits)) if probe else limits.seated_queue
@@ -103,7 +108,7 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
         if state.seats:
             seated.append(state)
         elif reserve > 0:
-            room += min(headroom(state, limits), max(0, 1 - estimated_waiting(state)))
+            room += min(headroom(state, limits), max(0, 1 - estimated_waiting(state, cautious=True)))
         else:
             room += headroom(state, limits)
     if seated:
@@ -148,6 +153,24 @@ def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, 
     if not candidates:
         return float("inf")
     return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes)
+
+
+def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
+    """Sequences like those running now that fit in the replica's KV cache below `kv_full`; None while unknown.
+
+    vLLM admits a request only when its blocks are free, so on a replica whose prompts are long its KV cache,
+    not its seats, bounds what runs at once: the running sequences hold `kv_cache_usage` of the cache between
+    them, and `kv_full` of it holds kv_full / usage times as many (at least one).
+    """
+    if metrics.stale or metrics.scraped_at is None or metrics.running <= 0 or metrics.kv_cache_usage <= 0:
+        return None
+    return max(1, math.floor(kv_full * metrics.running / metrics.kv_cache_usage))
+
+
+def slots(seats: int | None, metrics: ReplicaMetrics, kv_full: float) -> int | None:
+    """Sequences the replica runs at once now: its seats, fewer while its KV cache holds fewer (kv_slots)."""
+    known = [count for count in (seats, kv_slots(metrics, kv_full)) if count]
+    return min(known) if known else None
 
 
 def has_free_seat(state: EndpointState) -> bool:
