@@ -44,7 +44,8 @@ def test_seats_learned_under_a_full_kv_cache_are_not_seats() -> None:
         assert learner.observe("a", ReplicaMetrics(running=3, waiting=2, kv_cache_usage=0.95)) is None
     assert learner.seats("a") is None
     learner.observe("a", ReplicaMetrics(running=5, waiting=1, kv_cache_usage=0.5))
-    assert learner.observe("a", ReplicaMetrics(running=6, waiting=1, kv_cache_usage=0.5)) == 6
+    assert learner.observe("a", ReplicaMetrics(running=6, waiting=1, kv_cache_usage=0.5)) is None  # still filling
+    assert learner.observe("a", ReplicaMetrics(running=6, waiting=2, kv_cache_usage=0.5)) == 6
     learner.forget("a")
     assert learner.seats("a") is None
 

@@ -72,8 +72,10 @@ def test_seats_are_learned_from_a_queue_seen_twice_and_only_grow() -> None:
     assert seats_of(fleet, "a") is None  # a lone arrival between two engine steps proves nothing
     scrapes.scrape(fleet, "a", running=4, waiting=0)
     scrapes.scrape(fleet, "a", running=6, waiting=2)
-    assert seats_of(fleet, "a") is None
+    scrapes.scrape(fleet, "a", running=7, waiting=3)
+    assert seats_of(fleet, "a") is None  # queued beside a running count that moves: arrivals between steps
     scrapes.scrape(fleet, "a", running=8, waiting=5)
+    scrapes.scrape(fleet, "a", running=8, waiting=4)
     assert seats_of(fleet, "a") == 8
     scrapes.scrape(fleet, "a", running=2, waiting=0)
     assert seats_of(fleet, "a") == 8

@@ -181,8 +181,9 @@ def has_free_seat(state: EndpointState) -> bool:
 class SeatLearner:
     """Learns each replica's seat count, which vLLM does not export, from its running count under a queue.
 
-    A queue seen on two scrapes in a row means every seat was taken (a lone arrival between two engine
-    steps waits for one step only), so the running count then is what the replica holds at once, unless
+    A queue seen on two scrapes in a row beside the same running count means every seat was taken (an
+    arrival between two engine steps waits for one step only, and under load such arrivals queue beside a
+    running count that moves), so that count is what the replica holds at once, unless
     the KV cache was full (at `kv_full` or more): then the queue waits for blocks, and the running count
     says how many of these prompts fit, not how many seats there are. Once known it only grows: a replica
     never runs more than it has seats, and headroom() lets one request past a learned count so that a
@@ -192,16 +193,16 @@ class SeatLearner:
     def __init__(self, kv_full: float) -> None:
         self._kv_full = kv_full
         self._seats: dict[str, int] = {}
-        self._queued: set[str] = set()  # replicas whose last successful scrape showed a waiting queue
+        self._queued: dict[str, int] = {}  # replicas whose last scrape showed a queue -> their running count then
 
     def observe(self, key: str, metrics: ReplicaMetrics) -> int | None:
         """Take in one successful scrape of `key`; returns its seat count when this scrape changed it."""
         seat_bound = metrics.waiting > 0 and metrics.kv_cache_usage < self._kv_full
-        queued_twice = seat_bound and key in self._queued
+        queued_twice = seat_bound and self._queued.get(key) == metrics.running
         if seat_bound:
-            self._queued.add(key)
+            self._queued[key] = metrics.running
         else:
-            self._queued.discard(key)
+            self._queued.pop(key, None)
         if queued_twice or key in self._seats:
             seats = max(self._seats.get(key, 0), metrics.running)
             if seats and seats != self._seats.get(key):
@@ -216,7 +217,7 @@ class SeatLearner:
     def forget(self, key: str) -> None:
         """Drop what was learned about a replica that left."""
         self._seats.pop(key, None)
-        self._queued.discard(key)
+        self._queued.pop(key, None)
 
 
 class SeatHolder(Protocol):
