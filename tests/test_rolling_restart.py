@@ -15,9 +15,10 @@ from typing import TypeVar
 
 import pytest
 
-from kvgate.loadtest.bench.client import RequestSample
-from kvgate.loadtest.bench_rolling_restart import retries_by_cause
-from kvgate.loadtest.rolling import RestartTiming, RollingRestart, SteadyLoad
+from kvgate.loadtest.kit.stream import RequestSample
+from kvgate.loadtest.rolling.scenario import retries_by_cause
+from kvgate.loadtest.rolling.load import SteadyLoad
+from kvgate.loadtest.rolling.restart import RestartTiming, RollingRestart
 from kvgate.loadtest.rolling.replica import start_replicas
 from kvgate.simulator import SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until

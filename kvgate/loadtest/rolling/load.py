@@ -7,8 +7,8 @@ import itertools
 
 import aiohttp
 
-from kvgate.loadtest.bench.client import RequestSample, stream_chat
-from kvgate.loadtest.bench.workload import system_prompt
+from kvgate.loadtest.kit.stream import RequestSample, stream_chat
+from kvgate.loadtest.routing.workload import system_prompt
 
 _REQUEST_TIMEOUT_SECONDS = 30.0
 _SYSTEM_PROMPT_CHARS = 800
