@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from kvgate.loadtest.kit.processes import external_argv, sim_flags
@@ -28,8 +26,8 @@ from kvgate.loadtest.routing.sizing import Footprint, fleet_options, oracle_opti
 from kvgate.loadtest.routing.summary import summarise_scenario
 from kvgate.loadtest.routing.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
 from kvgate.simulator import SimOptions, add_sim_arguments, sim_options_from_args
+from tests.bench_run import run_bench
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 EXPECTED_ROWS = ["oracle", "round-robin", "cache-aware", "prefix-hash", "least-load", "cache-aware x3"]
 
@@ -171,9 +169,8 @@ def test_kvgate_rows_are_held_to_the_peer_router() -> None:
 
 
 def test_poisson_chats_send_every_turn_in_order_at_the_given_rate(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "kvgate.router.cli", "bench", "chats", "--quick", "--skew", "zipf", "--gateways", "1",
-         "--conversations", "12", "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=100)
+    result = run_bench("chats", "--quick", "--skew", "zipf", "--gateways", "1", "--conversations", "12",
+                       "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     (scenario,) = json.loads((tmp_path / "chats.json").read_text())["scenarios"]
     assert scenario["name"] == "chat-zipf" and "Poisson arrivals at 12 req/s" in scenario["description"]
@@ -206,11 +203,7 @@ def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Pa
 def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_path: Path) -> None:
     out = tmp_path / "bench-out"
     docs = tmp_path / "benchmarks.md"
-    result = subprocess.run(
-        [sys.executable, "-m", "kvgate.router.cli", "bench", "routing", "--quick", "--skew", "zipf", "--out", str(out),
-         "--docs", str(docs)],
-        cwd=REPO, capture_output=True, text=True, timeout=100,
-    )
+    result = run_bench("routing", "--quick", "--skew", "zipf", "--out", str(out), "--docs", str(docs))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "zipf/cache-aware:" in result.stderr  # one progress line per row
 

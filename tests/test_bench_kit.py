@@ -4,8 +4,6 @@ and the micro-benchmark scenarios run end to end."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,17 +11,11 @@ import pytest
 from kvgate.loadtest.cli import SCENARIOS, main, scenario_parser
 from kvgate.loadtest.kit.processes import ProcessError, start_gateway, start_stub, stopping
 from kvgate.loadtest.kit.report import write_docs_section
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _kvgate(*args: str, timeout: float = 100) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvgate.router.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+from tests.bench_run import run_bench
 
 
 def test_bench_help_lists_every_scenario_with_a_line_on_what_it_measures() -> None:
-    done = _kvgate("bench", "--help", timeout=30)
+    done = run_bench("--help", timeout=30)
     assert done.returncode == 0, done.stderr
     for scenario in SCENARIOS:
         line = next(line for line in done.stdout.splitlines() if line.strip().startswith(scenario.name + " "))
@@ -72,7 +64,7 @@ async def test_children_are_stopped_when_their_block_exits_and_a_failed_start_le
 
 def test_hashing_and_scrape_parse_write_their_tables(tmp_path: Path) -> None:
     for scenario in ("hashing", "scrape-parse"):
-        done = _kvgate("bench", scenario, "--quick", "--out", str(tmp_path), "--docs", str(tmp_path / "docs.md"))
+        done = run_bench(scenario, "--quick", "--out", str(tmp_path), "--docs", str(tmp_path / "docs.md"))
         assert done.returncode == 0, done.stderr[-2000:]
     hashing = json.loads((tmp_path / "hashing.json").read_text())
     (row,) = hashing["rows"]
@@ -84,7 +76,7 @@ def test_hashing_and_scrape_parse_write_their_tables(tmp_path: Path) -> None:
 
 
 def test_inference_perf_skips_with_a_message_when_it_is_not_installed(tmp_path: Path) -> None:
-    done = _kvgate("bench", "inference-perf", "--quick", "--inference-perf", "no-such-inference-perf",
+    done = run_bench("inference-perf", "--quick", "--inference-perf", "no-such-inference-perf",
                    "--out", str(tmp_path), timeout=30)
     assert done.returncode == 0 and "skipped" in done.stderr and "not installed" in done.stderr
     assert not (tmp_path / "inference-perf.json").exists()
@@ -92,5 +84,5 @@ def test_inference_perf_skips_with_a_message_when_it_is_not_installed(tmp_path: 
 
 def test_real_engines_without_vllm_says_what_is_missing(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.delenv("KVGATE_VLLM_PYTHON", raising=False)
-    done = _kvgate("bench", "real-engines", "--quick", "--out", str(tmp_path), timeout=30)
+    done = run_bench("real-engines", "--quick", "--out", str(tmp_path), timeout=30)
     assert done.returncode == 2 and "KVGATE_VLLM_PYTHON" in done.stderr

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +13,8 @@ from kvgate.loadtest.kit.report import markers
 from kvgate.loadtest.overhead.load import LoadSpec
 from kvgate.loadtest.overhead.profile import OUTSIDE_KVGATE, summarize
 from kvgate.loadtest.overhead.wrk import run_wrk, wrk_available
+from tests.bench_run import run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 START_MARKER, END_MARKER = markers("overhead")
 ROW_NAMES = [
     "4 KB chat, non-streaming, 32 concurrent",
@@ -33,9 +31,9 @@ def test_quick_run_reports_every_row_with_plausible_numbers(tmp_path: Path) -> N
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkept\n<!-- bench:other:end -->\n")
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "kvgate.router.cli", "bench", "overhead", "--quick", "--client", "python",
-                    "--no-profile", "--out", str(out), "--docs", str(docs)], cwd=ROOT, check=True, timeout=90,
-                   capture_output=True)
+    done = run_bench("overhead", "--quick", "--client", "python", "--no-profile", "--out", str(out), "--docs", str(docs),
+                     timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
 
     report = json.loads((out / "overhead.json").read_text())
     assert [row["name"] for row in report["rows"]] == ROW_NAMES

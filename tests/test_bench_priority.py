@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -17,8 +14,8 @@ from kvgate.loadtest.priority.client import Outcome, run_open_loop
 from kvgate.loadtest.priority.rows import ROWS
 from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
 from kvgate.simulator import SimOptions
+from tests.bench_run import run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
 
 
@@ -28,10 +25,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     out = tmp_path_factory.mktemp("bench-priority")
     docs = out / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:routing:start -->\nrouting table\n<!-- bench:routing:end -->\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvgate.router.cli", "bench", "priority", *TINY, "--out", str(out), "--docs", str(docs)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
-    )
+    result = run_bench("priority", *TINY, "--out", str(out), "--docs", str(docs), timeout=110)
     assert result.returncode == 0, result.stderr[-2000:]
     return orjson.loads((out / "priority.json").read_bytes()), docs.read_text()
 

@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -141,10 +141,6 @@ class SharedPrefixLoad:
                 f"{spec.system_prompt_tokens}-token system prompts, {spec.question_tokens}-token questions, "
                 f"{spec.output_tokens} output tokens; {spec.requests} streamed completions, Poisson at {spec.rate:g} "
                 f"req/s, seed {spec.seed} (tokens counted by inference-perf's tokenizer, {Path(self.tokenizer).name}).")
-
-    def parameters(self) -> dict[str, Any]:
-        """The spec, the executable and the tokenizer."""
-        return asdict(self.spec) | {"executable": self.executable, "tokenizer": self.tokenizer}
 
     def footprint(self, block_size: int, chars_per_token: float) -> Footprint:
         """Every group's system prompt and about a second's arrivals are in play at once."""

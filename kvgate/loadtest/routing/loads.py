@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import ConversationDriver, OnSample
@@ -38,10 +38,6 @@ class Load(Protocol):
 
     def describe(self) -> str:
         """One sentence on what it sends."""
-        ...
-
-    def parameters(self) -> dict[str, Any]:
-        """Its parameters, for the report."""
         ...
 
     def footprint(self, block_size: int, chars_per_token: float) -> Footprint:
@@ -81,10 +77,6 @@ class ChatLoad:
                 f"prompt; {spec.conversations} conversations of {spec.turns} streamed turns (~{spec.user_chars} "
                 f"characters each, max_tokens {spec.max_tokens}), {arrivals}, seed {spec.seed}, capped at "
                 f"{spec.duration:.0f} s per row.")
-
-    def parameters(self) -> dict[str, Any]:
-        """The workload's fields."""
-        return asdict(self.spec)
 
     def footprint(self, block_size: int, chars_per_token: float) -> Footprint:
         """Every tenant's system prompt and every open conversation."""
