@@ -9,6 +9,12 @@ from pathlib import Path
 from kvgate.loadtest.kit.processes import external_argv, sim_flags
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import RequestSample
+from kvgate.loadtest.routing.inference_perf import (
+    SharedPrefixLoad,
+    SharedPrefixSpec,
+    inference_perf_config,
+    samples_from_report,
+)
 from kvgate.loadtest.routing.loads import ChatLoad
 from kvgate.loadtest.routing.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
 from kvgate.loadtest.routing.results import (
@@ -228,3 +234,18 @@ def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_pat
         assert (out / plot).read_bytes().startswith(PNG_MAGIC)
     assert "| cache-aware |" in (out / "routing.md").read_text()
     assert DOCS_START in docs.read_text() and "| cache-aware x3 |" in docs.read_text()
+
+
+def test_inference_perf_runs_its_own_config_and_its_records_become_samples(tmp_path: Path) -> None:
+    spec = SharedPrefixSpec(groups=4, prompts_per_group=2, requests=30, rate=10.0, seed=7)
+    config = inference_perf_config(spec, "http://127.0.0.1:9", "/tok", tmp_path)
+    assert config["load"] == {"type": "poisson", "stages": [{"rate": 10.0, "duration": 3}], "base_seed": 7}
+    assert config["data"]["shared_prefix"]["num_groups"] == 4 and config["server"]["base_url"] == "http://127.0.0.1:9"
+    records = [{"start_time": 100.0, "end_time": 100.5, "info": {"response_metrics": {"chunk_times": [100.1, 100.3]}}},
+               {"start_time": 100.2, "end_time": 100.25, "info": {}, "error": "HTTP 503"}]
+    done, failed = samples_from_report(records)
+    assert (done.start, done.output_chunks, done.error) == (0.0, 2, None)
+    assert abs(done.ttft - 0.1) < 1e-9 and abs(done.e2e - 0.5) < 1e-9
+    assert failed.ttft is None and failed.error == "HTTP 503" and abs(failed.start - 0.2) < 1e-9
+    footprint = SharedPrefixLoad(spec, "inference-perf", "/tok").footprint(16, 4.0)
+    assert 0 < footprint.in_play_blocks < footprint.whole_blocks and footprint.open_requests == 10

@@ -62,7 +62,9 @@ def summarise_row(row: RowRun, oracle_hit_rate: float | None) -> RowSummary:
     per_replica = [int(stats["requests"]) for stats in row.replica_stats]
     total = sum(per_replica)
     mean = total / len(per_replica) if per_replica else 0.0
-    wall = row.wall_seconds or float("inf")
+    # From the first request's start to the last one's end: a load generator's own start-up is no traffic.
+    span = max((s.start + s.e2e for s in row.samples), default=0.0) - min((s.start for s in row.samples), default=0.0)
+    wall = span or row.wall_seconds or float("inf")
     hit_rate = row.hit_rate
     return RowSummary(
         name=row.plan.name,
