@@ -132,7 +132,7 @@ async def _run_row(settings: BenchSettings, load: Load, plan: RowPlan, fleet: Ru
                                _Ticker(label, progress))
             if plan.kind == KVGATE:
                 row.decisions = await read_decisions(session, gateways)
-    except ProcessError as exc:
+    except (ProcessError, TimeoutError) as exc:  # a router that would not start, or not follow the KV events
         row.error = str(exc).splitlines()[0]
         log.warning("bench row failed row=%s error=%s", label, exc)
     return row

@@ -145,6 +145,8 @@ async def vllm_fleet(spec: WorkloadSpec, replicas: int, cache_fraction: float, p
                                               "--kv-events-replay-endpoint", f"{e.url}={e.replay_endpoint}")]
     direct = {"oracle": [engines[replicas].url]} | ({"pressure oracle": [engines[-1].url]} if precise else {})
     try:
-        yield RunningFleet([e.url for e in fleet], direct, [*flags, "--tokenizer", f"{spec.model}={model_dir}"])
+        # The engines' endpoints name an address (no `*`), so vLLM connects out to it and kvgate binds it.
+        flags += ["--kv-events-bind", "true", "--tokenizer", f"{spec.model}={model_dir}"]
+        yield RunningFleet([e.url for e in fleet], direct, flags)
     finally:
         await asyncio.gather(*(asyncio.to_thread(e.stop) for e in engines))
