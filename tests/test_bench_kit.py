@@ -4,6 +4,8 @@ and the micro-benchmark scenarios run end to end."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,17 @@ def test_real_engines_without_vllm_says_what_is_missing(tmp_path: Path, monkeypa
     monkeypatch.delenv("KVGATE_VLLM_PYTHON", raising=False)
     done = run_bench("real-engines", "--quick", "--out", str(tmp_path), timeout=30)
     assert done.returncode == 2 and "KVGATE_VLLM_PYTHON" in done.stderr
+
+
+def test_without_the_kit_kvgate_bench_says_so_and_serving_is_unaffected() -> None:
+    code = ("import importlib.abc, sys\n"
+            "class NoKit(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name.startswith('kvgate.loadtest'):\n"
+            "            raise ModuleNotFoundError(name)\n"
+            "sys.meta_path.insert(0, NoKit())\n"
+            "from kvgate.router.cli import build_parser, main\n"
+            "build_parser().parse_args(['serve', '--endpoints', 'http://127.0.0.1:1'])\n"
+            "sys.exit(main(['bench', 'routing']))\n")  # as in the image, which leaves kvgate/loadtest out
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "needs the benchmark kit" in done.stderr, done.stderr

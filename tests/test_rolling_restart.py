@@ -62,7 +62,7 @@ async def under_load(gw: RunningGateway, action: Callable[[], Awaitable[T]], max
     load = SteadyLoad(gw.url, MODEL, CLIENTS, max_requests=3000, max_seconds=20.0, max_tokens=max_tokens)
     running = asyncio.create_task(load.run())
     try:
-        await load.wait_for_samples(CLIENTS, timeout=10.0)  # steady state: every client is streaming
+        await wait_until(lambda: len(load.samples) >= CLIENTS, timeout=10.0)  # steady state: every client streams
         result = await action()
         await asyncio.sleep(0.5)  # load goes on over the replaced fleet
     finally:

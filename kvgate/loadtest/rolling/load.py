@@ -47,12 +47,6 @@ class SteadyLoad:
             await asyncio.gather(*(self._client(session, deadline) for _ in range(self._concurrency)))
         return self.samples
 
-    async def wait_for_samples(self, count: int, timeout: float) -> None:
-        """Return once `count` requests have finished; TimeoutError after `timeout` seconds."""
-        async with asyncio.timeout(timeout):
-            while len(self.samples) < count:
-                await asyncio.sleep(0.02)
-
     async def _client(self, session: aiohttp.ClientSession, deadline: float) -> None:
         loop = asyncio.get_running_loop()
         while not self._stopping.is_set() and loop.time() < deadline:

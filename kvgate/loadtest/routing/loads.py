@@ -16,37 +16,19 @@ from kvgate.loadtest.routing.workload import WorkloadSpec, build_conversations
 class Load(Protocol):
     """One workload every row of a routing benchmark is measured on."""
 
-    @property
-    def name(self) -> str:
-        """Its name in the report."""
-        ...
-
-    @property
-    def model(self) -> str:
-        """The model its requests ask for."""
-        ...
-
-    @property
-    def skewed(self) -> bool:
-        """Whether popularity is skewed (the balance targets apply)."""
-        ...
-
-    @property
-    def single_target(self) -> bool:
-        """Whether its load generator takes one base URL (several gateways then need a front)."""
-        ...
+    name: str  # in the report
+    model: str  # the model its requests ask for
+    skewed: bool  # popularity is skewed: the balance targets apply
+    single_target: bool  # its load generator takes one base URL: several gateways then need a front
 
     def describe(self) -> str:
         """One sentence on what it sends."""
-        ...
 
     def footprint(self, block_size: int, chars_per_token: float) -> Footprint:
         """How much KV cache its prefixes take."""
-        ...
 
     async def drive(self, targets: Sequence[str], work_dir: Path, on_sample: OnSample) -> list[RequestSample]:
         """Send the load to `targets`; the samples of every request."""
-        ...
 
 
 @dataclass(frozen=True, slots=True)

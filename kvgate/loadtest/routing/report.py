@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from kvgate.loadtest.kit.report import markers, write_docs_section
 from kvgate.loadtest.routing.summary import RowSummary, TargetCheck
@@ -139,14 +136,3 @@ def render_markdown(report: BenchReport) -> str:
 def update_docs(path: Path, report: BenchReport) -> None:
     """Replace the report's section of a docs file: setup and tables, no plots (append it when absent)."""
     write_docs_section(path, report.section, f"## {report.title}\n\n{_setup(report)}{_tables(report, False)}")
-
-
-def write_report(report: BenchReport, out_dir: Path) -> tuple[Path, Path]:
-    """Write report.md and report.json into `out_dir`; returns their paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    markdown = out_dir / "report.md"
-    markdown.write_text(render_markdown(report), encoding="utf-8")
-    data = dataclasses.asdict(report) | {"all_targets_met": report.all_targets_met}
-    json_path = out_dir / "report.json"
-    json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
-    return markdown, json_path
