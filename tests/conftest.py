@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.endpoints.kubernetes import load_kubernetes_config
-from kvgate.loadtest.envoy import EnvoyUnavailable, ensure_envoy
+from kvgate.loadtest.kit.envoy import EnvoyUnavailable, ensure_envoy
 from tests.k8s_api import K8sTestApi
 
 pytest_plugins = ["tests.fake_vllm_replica"]  # its fake replica and client session fixtures
@@ -38,6 +38,6 @@ def envoy_binary() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """The offline tiny model directory (tokenizer.json, tokenizer_config.json with a chat template), built once."""
-    from kvgate.loadtest.tiny_model import write_tiny_model
+    from kvgate.loadtest.kit.tiny_model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("tiny-model"))

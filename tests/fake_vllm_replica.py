@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvgate.endpoints.types import Endpoint
-from kvgate.loadtest.vllm_metrics_page import DEFAULT_MODEL, EngineLoad, render_vllm_metrics
+from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL, EngineLoad, render_vllm_metrics
 
 
 def models_payload(*cards: tuple[str, str | None]) -> dict[str, Any]:

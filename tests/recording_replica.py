@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
-from kvgate.loadtest.vllm_metrics_page import EngineLoad, render_vllm_metrics
+from kvgate.loadtest.kit.vllm_metrics_page import EngineLoad, render_vllm_metrics
 from tests.fake_vllm_replica import models_payload
 from tests.harness import scripted_replica
 

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from kvgate.loadtest.kit.processes import start_stub, stopping
+from kvgate.loadtest.kit.report import markers
 from kvgate.loadtest.overhead.load import LoadSpec
-from kvgate.loadtest.overhead.processes import Service, free_port
 from kvgate.loadtest.overhead.profile import OUTSIDE_KVGATE, summarize
-from kvgate.loadtest.overhead.report import END_MARKER, START_MARKER, write_docs_section
 from kvgate.loadtest.overhead.wrk import run_wrk, wrk_available
+from tests.bench_run import run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
+START_MARKER, END_MARKER = markers("overhead")
 ROW_NAMES = [
     "4 KB chat, non-streaming, 32 concurrent",
     "4 KB chat, non-streaming, 128 concurrent",
@@ -31,8 +31,9 @@ def test_quick_run_reports_every_row_with_plausible_numbers(tmp_path: Path) -> N
     docs = tmp_path / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkept\n<!-- bench:other:end -->\n")
     out = tmp_path / "out"
-    subprocess.run([sys.executable, "-m", "kvgate.loadtest.bench_overhead", "--quick", "--client", "python", "--no-profile",
-                    "--out", str(out), "--docs", str(docs)], cwd=ROOT, check=True, timeout=90, capture_output=True)
+    done = run_bench("overhead", "--quick", "--client", "python", "--no-profile", "--out", str(out), "--docs", str(docs),
+                     timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
 
     report = json.loads((out / "overhead.json").read_text())
     assert [row["name"] for row in report["rows"]] == ROW_NAMES
@@ -53,13 +54,6 @@ def test_quick_run_reports_every_row_with_plausible_numbers(tmp_path: Path) -> N
     assert (out / "overhead.md").read_text() in text
 
 
-def test_docs_section_is_replaced_not_duplicated(tmp_path: Path) -> None:
-    docs = tmp_path / "benchmarks.md"
-    write_docs_section(docs, "first\n")
-    write_docs_section(docs, "second\n")
-    assert docs.read_text() == f"{START_MARKER}\nsecond\n{END_MARKER}\n"
-
-
 def test_profile_charges_each_sample_to_its_deepest_kvgate_function() -> None:
     raw = "\n".join([
         "main (kvgate/router/cli.py);Forwarder._open (kvgate/router/proxy.py);ClientSession._request (aiohttp/client.py) 6",
@@ -74,12 +68,8 @@ def test_profile_charges_each_sample_to_its_deepest_kvgate_function() -> None:
 
 
 @pytest.mark.skipif(not wrk_available(), reason="wrk is not installed")
-def test_wrk_adaptor_reads_wrk_summary_from_a_stub() -> None:
-    port = free_port()
-    stub = Service("stub", [sys.executable, "-m", "kvgate.loadtest.overhead.stub", "--ports", str(port)], cpu=None)
-    try:
-        stub.wait_ready(f"http://127.0.0.1:{port}/v1/models")
-        result = run_wrk(LoadSpec(url=f"http://127.0.0.1:{port}", stream=True, concurrency=4, duration_s=1))
-    finally:
-        stub.stop()
+async def test_wrk_adaptor_reads_wrk_summary_from_a_stub(tmp_path: Path) -> None:
+    stub, (url,) = await start_stub("stub", 1, tmp_path)
+    async with stopping(stub):
+        result = await asyncio.to_thread(run_wrk, LoadSpec(url=url, stream=True, concurrency=4, duration_s=1))
     assert result.errors == 0 and result.requests > 10 and 0 < result.p50_ms <= result.p99_ms

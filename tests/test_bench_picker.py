@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvgate.loadtest.bench_picker import COST_ROWS, ENVOY, PICKER, PROXY, QUICK, ROUTING_ROWS, render_markdown, run
+from kvgate.loadtest.picker import COST_ROWS, ENVOY, PICKER, PROXY, QUICK, ROUTING_ROWS, render_markdown, run_picker
 
 
 async def test_quick_run_measures_every_row_and_renders_the_targets(envoy_binary, tmp_path) -> None:
-    report = await run(QUICK, 4.0, envoy_binary, tmp_path)
+    report = await run_picker(QUICK, 4.0, envoy_binary, tmp_path, "kvgate bench picker --quick")
     routing = {row["row"]: row for row in report["routing"]}
     cost = {row["row"]: row for row in report["cost"]}
     assert list(routing) == list(ROUTING_ROWS) and list(cost) == list(COST_ROWS)

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -14,12 +11,11 @@ import pytest
 from aiohttp import web
 
 from kvgate.loadtest.priority.client import Outcome, run_open_loop
-from kvgate.loadtest.priority.report import write_docs_section
 from kvgate.loadtest.priority.rows import ROWS
 from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
 from kvgate.simulator import SimOptions
+from tests.bench_run import run_bench
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
 
 
@@ -29,13 +25,9 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     out = tmp_path_factory.mktemp("bench-priority")
     docs = out / "benchmarks.md"
     docs.write_text("# Benchmarks\n\n<!-- bench:routing:start -->\nrouting table\n<!-- bench:routing:end -->\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "kvgate.loadtest.bench_priority", *TINY, "--json", str(out / "report.json"),
-         "--docs", str(docs)],
-        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
-    )
+    result = run_bench("priority", *TINY, "--out", str(out), "--docs", str(docs), timeout=110)
     assert result.returncode == 0, result.stderr[-2000:]
-    return orjson.loads((out / "report.json").read_bytes()), docs.read_text()
+    return orjson.loads((out / "priority.json").read_bytes()), docs.read_text()
 
 
 def test_quick_run_answers_every_request(quick_run: tuple[dict[str, Any], str]) -> None:
@@ -66,17 +58,6 @@ def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(
     assert runs["a"]["interactive"]["ttft_p99_ms"] < runs["b"]["interactive"]["ttft_p99_ms"]
     assert runs["a"]["queues"]["gateway_queue_max"] > 0  # the fleet was saturated: requests waited in kvgate
     assert runs["b"]["queues"]["gateway_queue_max"] == 0
-
-
-def test_docs_section_is_replaced_in_place_and_other_sections_are_kept(tmp_path: Path) -> None:
-    docs = tmp_path / "benchmarks.md"
-    docs.write_text("intro\n<!-- bench:priority:start -->\nold\n<!-- bench:priority:end -->\noutro\n")
-    write_docs_section(docs, "new\n")
-    write_docs_section(docs, "newer\n")
-    assert docs.read_text() == "intro\n<!-- bench:priority:start -->\nnewer\n<!-- bench:priority:end -->\noutro\n"
-    fresh = tmp_path / "missing" / "benchmarks.md"
-    write_docs_section(fresh, "first\n")
-    assert fresh.read_text() == "<!-- bench:priority:start -->\nfirst\n<!-- bench:priority:end -->\n"
 
 
 def test_poisson_schedule_stays_in_its_window_and_mixes_classes() -> None:

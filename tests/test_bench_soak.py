@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 import pytest
 
-from kvgate.loadtest.docs_section import markers
+from kvgate.loadtest.kit.report import markers
 from kvgate.loadtest.soak.load import MALFORMED_REQUESTS
+from tests.bench_run import run_bench
 
 OTHER_SECTION = "<!-- bench:other:start -->\nkept as it was\n<!-- bench:other:end -->\n"
 
@@ -20,9 +19,9 @@ def soak_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, Path
     out = tmp_path_factory.mktemp("soak")
     docs = out / "benchmarks.md"
     docs.write_text(OTHER_SECTION)
-    subprocess.run([sys.executable, "-m", "kvgate.loadtest.bench_soak", "--quick", "--minutes", "0.25", "--concurrency", "10",
-                    "--out", str(out), "--docs", str(docs)],
-                   check=True, timeout=90, capture_output=True, cwd=Path(__file__).resolve().parents[1])
+    done = run_bench("soak", "--quick", "--duration", "15", "--concurrency", "10", "--out", str(out), "--docs", str(docs),
+                     timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
     return orjson.loads((out / "soak.json").read_bytes()), out, docs
 
 

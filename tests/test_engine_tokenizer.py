@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from kvgate.engine.tokenizer import EngineTokenizer, TokenizerError
-from kvgate.loadtest.tiny_model import BOS
+from kvgate.loadtest.kit.tiny_model import BOS
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 

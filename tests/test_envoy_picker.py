@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from kvgate.loadtest.envoy import EnvoyProcess, PickerRoute, envoy_config, running_envoy
+from kvgate.loadtest.kit.envoy import EnvoyProcess, PickerRoute, envoy_config, running_envoy
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
 from tests.k8s_api import make_objective, make_pod, make_pool

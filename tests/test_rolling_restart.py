@@ -13,13 +13,16 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import orjson
 import pytest
 
-from kvgate.loadtest.bench.client import RequestSample
-from kvgate.loadtest.bench_rolling_restart import retries_by_cause
-from kvgate.loadtest.rolling import RestartTiming, RollingRestart, SteadyLoad
+from kvgate.loadtest.kit.stream import RequestSample
+from kvgate.loadtest.rolling.load import SteadyLoad
 from kvgate.loadtest.rolling.replica import start_replicas
+from kvgate.loadtest.rolling.restart import RestartTiming, RollingRestart
+from kvgate.loadtest.rolling.scenario import SCENARIOS, retries_by_cause
 from kvgate.simulator import SimOptions
+from tests.bench_run import run_bench
 from tests.harness import RunningGateway, running_gateway, wait_until
 from tests.k8s_api import K8sTestApi
 from tests.k8s_fleet import SlicePublisher
@@ -59,7 +62,7 @@ async def under_load(gw: RunningGateway, action: Callable[[], Awaitable[T]], max
     load = SteadyLoad(gw.url, MODEL, CLIENTS, max_requests=3000, max_seconds=20.0, max_tokens=max_tokens)
     running = asyncio.create_task(load.run())
     try:
-        await load.wait_for_samples(CLIENTS, timeout=10.0)  # steady state: every client is streaming
+        await wait_until(lambda: len(load.samples) >= CLIENTS, timeout=10.0)  # steady state: every client streams
         result = await action()
         await asyncio.sleep(0.5)  # load goes on over the replaced fleet
     finally:
@@ -130,3 +133,15 @@ async def test_killed_replica_still_listed_fails_no_new_request(api):
     assert all(start + s.start < killed_at < start + s.start + s.e2e for s in cut)
     assert len(cut) <= open_on_victim[0], (len(cut), open_on_victim)
     assert all(s.error.startswith("stream error") for s in cut), [s.error for s in cut]
+
+
+def test_rolling_scenario_reports_both_orders_and_fails_no_request(tmp_path) -> None:
+    done = run_bench("rolling", "--quick", "--out", str(tmp_path), "--docs", str(tmp_path / "docs.md"), timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = orjson.loads((tmp_path / "rolling.json").read_bytes())
+    assert [s["title"] for s in report["scenarios"]] == [s.title for s in SCENARIOS]
+    for scenario in report["scenarios"]:
+        assert scenario["requests"] > 0 and scenario["failed"] == 0
+        began, ended = scenario["restart_window"]
+        assert 0 < began < ended
+    assert "| discovery first" in (tmp_path / "docs.md").read_text()

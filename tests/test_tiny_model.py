@@ -6,7 +6,7 @@ import json
 
 from tokenizers import Tokenizer
 
-from kvgate.loadtest.tiny_model import BOS, write_tiny_model
+from kvgate.loadtest.kit.tiny_model import BOS, write_tiny_model
 
 
 def test_tiny_model_is_byte_identical_from_run_to_run(tmp_path):

@@ -4,7 +4,7 @@ A vLLM page is 50-200 KB of histograms; routing needs a handful of gauges. One r
 pass finds their sample lines and a line pattern parses just those. prometheus_client's parser walks
 label strings character by character in Python: about 20 ms for a whole 150 KB page, and still about
 0.3 ms for just the 18 wanted lines; this module takes about 0.15 ms for the page, search included
-(`python -m kvgate.loadtest.bench_scrape_parse`). Tests check it agrees with prometheus_client.
+(`kvgate bench scrape-parse`). Tests check it agrees with prometheus_client.
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from typing import Any
 from locust import HttpUser, between, task
 from locust.exception import StopUser
 
-from kvgate.loadtest.bench.sse import ChatStream
-from kvgate.loadtest.bench.workload import system_prompt, tenant_weights, user_message
+from kvgate.loadtest.kit.stream import ChatStream
+from kvgate.loadtest.routing.workload import system_prompt, tenant_weights, user_message
 
 CHAT_PATH = "/v1/chat/completions"
 _ZIPF_S = 1.1

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvgate.loadtest.bench.processes import free_ports
-from kvgate.loadtest.tiny_model import write_tiny_model
-from kvgate.loadtest.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, VllmEngine, start_engines, vllm_python
+from kvgate.loadtest.kit.processes import free_ports
+from kvgate.loadtest.kit.tiny_model import write_tiny_model
+from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, VllmEngine, start_engines, vllm_python
 
 MODEL = "tiny-llama"
 

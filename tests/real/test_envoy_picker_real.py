@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from kvgate.loadtest.envoy import PickerRoute, envoy_config, running_envoy
+from kvgate.loadtest.kit.envoy import PickerRoute, envoy_config, running_envoy
 from tests.harness import running_gateway, wait_until
 from tests.real.test_through_kvgate import chat, prefix_hits, streamed_text
 

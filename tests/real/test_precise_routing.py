@@ -24,7 +24,7 @@ from kvgate.engine.kv_events import (
     encode_seq,
 )
 from kvgate.engine.tokenizer import EngineTokenizer
-from kvgate.loadtest.vllm_engine import VllmEngine
+from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from tests.harness import running_gateway, wait_until
 from tests.real.conftest import MODEL
 from tests.real.test_through_kvgate import SYSTEM, chat, engine_samples

@@ -12,7 +12,7 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.loadtest.vllm_engine import VllmEngine
+from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from tests.harness import running_gateway, wait_until
 from tests.metrics_shape import REAL_PAGE, vllm_family_shapes
 from tests.real.conftest import MODEL

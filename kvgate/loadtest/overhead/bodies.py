@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import orjson
 
-from kvgate.loadtest.vllm_metrics_page import DEFAULT_MODEL
+from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
 
 _SYSTEM = "You are a careful assistant. Answer briefly and cite the documents you were given."
 _WORDS = "the quick brown fox jumps over the lazy dog "

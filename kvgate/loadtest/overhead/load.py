@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass, field
-
-CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass(frozen=True)
@@ -62,10 +59,3 @@ class LoadResult:
     def from_json(cls, data: dict) -> LoadResult:
         """Rebuild a result from `to_json` output."""
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
-
-
-def percentile_ms(latencies_s: list[float], q: int) -> float:
-    """The q-th percentile (1..99) of latencies in seconds, in milliseconds; 0 for an empty run."""
-    if len(latencies_s) < 2:
-        return latencies_s[0] * 1000 if latencies_s else 0.0
-    return statistics.quantiles(latencies_s, n=100, method="inclusive")[q - 1] * 1000

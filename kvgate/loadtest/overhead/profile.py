@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvgate.loadtest.overhead.processes import pinned
+from kvgate.loadtest.kit.processes import pinned
 
 KVGATE_PACKAGES = ("kvgate/router/", "kvgate/endpoints/", "kvgate/policies/")
 _ENTRY = "(kvgate/router/cli.py)"  # the process's entry frames, on every stack

@@ -1,6 +1,6 @@
 """The Python load generator (aiohttp on uvloop), run in its own process; prints one LoadResult as JSON.
 
-Run: python -m kvgate.loadtest.overhead.pyclient '{"url": "http://127.0.0.1:9001", "concurrency": 32}'
+Run by the overhead scenario as: python -m kvgate.loadtest.overhead.pyclient '{"url": "http://127.0.0.1:9001", "concurrency": 32}'
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import aiohttp
 import orjson
 import uvloop
 
+from kvgate.loadtest.kit.processes import process_cpu_seconds
+from kvgate.loadtest.kit.stats import percentile
+from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.overhead.bodies import chat_bodies
-from kvgate.loadtest.overhead.load import CHAT_PATH, LoadResult, LoadSpec, percentile_ms
-from kvgate.loadtest.overhead.processes import process_cpu_seconds
+from kvgate.loadtest.overhead.load import LoadResult, LoadSpec
 
 
 class _Tally:
@@ -113,8 +115,13 @@ async def run(spec: LoadSpec) -> LoadResult:
     window = finished - measure_from
     busy = {name: round((cpu_after[name] - cpu_before[name]) / window, 3) for name in cpu_after}
     return LoadResult(generator="python-aiohttp", requests=len(tally.latencies), errors=tally.errors,
-                      duration_s=round(window, 3), p50_ms=round(percentile_ms(tally.latencies, 50), 3),
-                      p99_ms=round(percentile_ms(tally.latencies, 99), 3), first_error=tally.first_error, busy=busy)
+                      duration_s=round(window, 3), p50_ms=_ms(tally.latencies, 50),
+                      p99_ms=_ms(tally.latencies, 99), first_error=tally.first_error, busy=busy)
+
+
+def _ms(latencies_s: list[float], q: int) -> float:
+    """The q-th percentile of latencies in seconds, in milliseconds; 0 for an empty run."""
+    return round((percentile(latencies_s, q) or 0.0) * 1000, 3)
 
 
 def main() -> None:

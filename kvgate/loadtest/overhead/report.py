@@ -1,13 +1,8 @@
-"""The overhead report: JSON is the record, Markdown is rendered from it (and spliced into the docs)."""
+"""The overhead report's Markdown, rendered from its JSON record."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
-
-from kvgate.loadtest import docs_section
-
-START_MARKER, END_MARKER = docs_section.markers("overhead")
 
 
 def _comparison_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -61,9 +56,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines = [
         "### kvgate's own overhead",
         "",
-        f"Measured {meta['date']} by `python -m loadtest.bench_overhead{' --quick' if meta['quick'] else ''}` "
+        f"Measured {meta['date']} by `{meta['command']}` "
         f"on {meta['cpus']} CPUs ({meta['pinning']}). Replicas are instant stubs "
-        f"(`loadtest/overhead/stub.py`), {meta['replicas']} in one process; direct runs hit the first one, "
+        f"(`kvgate/loadtest/kit/stub.py`), {meta['replicas']} in one process; direct runs hit the first one, "
         f"kvgate (`--policy {meta['policy']}`) spreads over all. Each direct run is followed at once by the same "
         f"load through kvgate ({meta['repeats']} pairs per row, each side keeps its least disturbed run); bodies are {meta['body_bytes']} B chat requests, {meta['variants']} distinct prompts. "
         f"1-minute load average before/after: {meta['loadavg_1m'][0]}/{meta['loadavg_1m'][1]} (the machine is shared).",
@@ -79,8 +74,3 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("profiles"):
         lines += ["", "Where kvgate's CPU goes (py-spy, share of busy samples):", "", *_profile_lines(report["profiles"])]
     return "\n".join(lines) + "\n"
-
-
-def write_docs_section(path: Path, markdown: str) -> None:
-    """Replace this benchmark's section of `path` (between its markers); append it or create the file."""
-    docs_section.write_docs_section(path, "overhead", markdown)

@@ -1,18 +1,24 @@
-"""The rig (stub replicas + kvgate, pinned) and the measurements taken on it: direct vs through kvgate."""
+"""The rig (stub replicas + kvgate, pinned) and the measurements taken on it: direct vs through kvgate.
+
+The load generators run as blocking subprocesses: nothing else runs on the event loop meanwhile.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import resource
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
 
+from kvgate.loadtest.kit.processes import ChildProcess, cpu_layout, pinned, start_gateway, start_stub, stopping
 from kvgate.loadtest.overhead.load import LoadResult, LoadSpec
-from kvgate.loadtest.overhead.processes import Service, children_cpu_seconds, cpu_layout, free_port, pinned
 from kvgate.loadtest.overhead.profile import Profile, Recorder
 from kvgate.loadtest.overhead.wrk import run_wrk
 
@@ -91,28 +97,31 @@ def _least_disturbed(runs: list[LoadResult]) -> LoadResult:
     return min(runs, key=lambda run: (run.errors > 0, run.p50_ms))
 
 
-class Rig:
-    """Stub replicas in one process and kvgate in front of them, each pinned when two CPUs are usable."""
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's finished, waited-for children (the load generators)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
-    def __init__(self, replicas: int = 2, policy: str = "cache-aware", gateway_args: tuple[str, ...] = ()) -> None:
-        self.gateway_cpu, self.other_cpu = cpu_layout()
-        ports = [free_port() for _ in range(replicas)]
-        self.replica_urls = [f"http://127.0.0.1:{port}" for port in ports]
-        self.stub = Service("stub", [sys.executable, "-m", "kvgate.loadtest.overhead.stub",
-                                     "--ports", ",".join(map(str, ports))], self.other_cpu)
-        gateway_port = free_port()
-        self.gateway_url = f"http://127.0.0.1:{gateway_port}"
-        self.kvgate = Service("kvgate", [
-            sys.executable, "-m", "kvgate.router.cli", "serve", "--listen", f"127.0.0.1:{gateway_port}",
-            "--endpoints", ",".join(self.replica_urls), "--policy", policy, "--log-level", "warning",
-            "--drain-delay", "0", "--drain-timeout", "1", *gateway_args], self.gateway_cpu)
-        try:
-            for url in self.replica_urls:
-                self.stub.wait_ready(url + "/v1/models")
-            self.kvgate.wait_ready(self.gateway_url + "/readyz")
-        except BaseException:
-            self.close()
-            raise
+
+@asynccontextmanager
+async def running_rig(replicas: int, policy: str, log_dir: Path) -> AsyncIterator[Rig]:
+    """Stub replicas in one process and kvgate in front of them, each pinned when two CPUs are usable."""
+    gateway_cpu, other_cpu = cpu_layout()
+    stub, replica_urls = await start_stub("stub", replicas, log_dir, other_cpu)
+    async with stopping(stub):
+        kvgate, gateway_url = await start_gateway("kvgate", replica_urls, ["--policy", policy], log_dir, gateway_cpu)
+        async with stopping(kvgate):
+            yield Rig(stub, kvgate, replica_urls, gateway_url, gateway_cpu, other_cpu)
+
+
+class Rig:
+    """The running stubs and kvgate, and the measurements taken on them: direct vs through kvgate."""
+
+    def __init__(self, stub: ChildProcess, kvgate: ChildProcess, replica_urls: list[str], gateway_url: str,
+                 gateway_cpu: int | None, other_cpu: int | None) -> None:
+        self.stub, self.kvgate = stub, kvgate
+        self.replica_urls, self.gateway_url = replica_urls, gateway_url
+        self.gateway_cpu, self.other_cpu = gateway_cpu, other_cpu
 
     def pinning(self) -> str:
         """How processes share the CPUs, in words."""
@@ -120,14 +129,9 @@ class Rig:
             return "not pinned (fewer than two usable CPUs)"
         return f"kvgate on CPU {self.gateway_cpu}; stub replicas, load generator and py-spy on CPU {self.other_cpu}"
 
-    def close(self) -> None:
-        """Stop kvgate, then the stubs."""
-        self.kvgate.stop()
-        self.stub.stop()
-
     def _cpu_seconds(self) -> dict[str, float]:
         return {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
-                "client": children_cpu_seconds()}
+                "client": _children_cpu_seconds()}
 
     def _wrk(self, spec: LoadSpec) -> LoadResult:
         """A warm-up wrk run, then the measured one with each process's CPU charged over it."""
@@ -141,6 +145,7 @@ class Rig:
 
     def _python(self, spec: LoadSpec) -> LoadResult:
         """The Python generator in its own process; it charges CPU over its own measured stretch."""
+        assert self.kvgate.pid is not None and self.stub.pid is not None, "the rig is stopped"
         spec = dataclasses.replace(spec, watch=(("kvgate", self.kvgate.pid), ("stub", self.stub.pid)))
         command = pinned([sys.executable, "-m", "kvgate.loadtest.overhead.pyclient",
                           orjson.dumps(spec.to_json()).decode()], self.other_cpu)
@@ -178,6 +183,7 @@ class Rig:
     def profile(self, spec: LoadSpec, py_spy: str, output: Path, generator: str) -> Profile | None:
         """Sample kvgate with py-spy while the spec's load runs through it."""
         spec = dataclasses.replace(spec, url=self.gateway_url, warmup_s=0.0)
+        assert self.kvgate.pid is not None, "the rig is stopped"
         recorder = Recorder(py_spy, self.kvgate.pid, spec.duration_s, output, self.other_cpu)
         self.measure(spec, generator)
         return recorder.finish()

@@ -9,9 +9,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvgate.loadtest.kit.processes import pinned
+from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.overhead.bodies import chat_bodies
-from kvgate.loadtest.overhead.load import CHAT_PATH, LoadResult, LoadSpec
-from kvgate.loadtest.overhead.processes import pinned
+from kvgate.loadtest.overhead.load import LoadResult, LoadSpec
 
 _RESULT_PREFIX = "WRK_RESULT "
 # Cycles through the bodies file (one JSON body a line) and prints the summary as one JSON line.

@@ -5,20 +5,64 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
+from kvgate.loadtest.kit.gateway_metrics import metric_samples
+from kvgate.loadtest.kit.processes import start_gateway, start_sim_fleet, stopping
 from kvgate.loadtest.priority.client import BodyFor, measure_throughput, run_open_loop
 from kvgate.loadtest.priority.probe import QueueProbe
-from kvgate.loadtest.priority.rig import Services, admission_counters, fleet, gateway, services
 from kvgate.loadtest.priority.rows import ADMISSION, FIFO, ROWS
 from kvgate.loadtest.priority.summary import RunResult, summarise, verdict
 from kvgate.loadtest.priority.workload import INTERACTIVE, Arrival, output_tokens_max, poisson_arrivals, request_body
 from kvgate.simulator import SimOptions
 
 Progress = Callable[[str], None]
+_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds",
+                      "kvgate_admission_preempted")
+_COUNTED_SUFFIXES = ("_total", "_sum", "_count")
+
+
+@dataclass(frozen=True, slots=True)
+class Services:
+    """Where a run sends its load, and the replicas behind it."""
+
+    gateway_url: str
+    replica_urls: list[str]
+
+
+@asynccontextmanager
+async def _gateway(name: str, urls: list[str], flags: Sequence[str], log_dir: Path) -> AsyncIterator[Services]:
+    """A kvgate gateway with `flags` in front of the replicas at `urls`."""
+    gateway, url = await start_gateway(f"{name}-kvgate", urls, flags, log_dir)
+    async with stopping(gateway):
+        yield Services(url, urls)
+
+
+@asynccontextmanager
+async def _services(name: str, replicas: int, options: SimOptions, flags: Sequence[str],
+                    log_dir: Path) -> AsyncIterator[Services]:
+    """A fresh simulated fleet and a gateway in front of it."""
+    fleet, urls = await start_sim_fleet(f"{name}-sim", replicas, options, log_dir)
+    async with stopping(fleet), _gateway(name, urls, flags, log_dir) as target:
+        yield target
+
+
+async def admission_counters(gateway_url: str) -> dict[str, float]:
+    """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        samples = await metric_samples(session, gateway_url, _ADMISSION_METRICS)
+    counters: dict[str, float] = {}
+    for sample in samples:
+        if sample.name.endswith(_COUNTED_SUFFIXES):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
+    return counters
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,18 +133,19 @@ async def _run(plan: Plan, target: Services, key: str, title: str, rate: float, 
 async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[str, Any]:
     """Every run of the plan, in order; the report as plain JSON."""
     seats = plan.replicas * plan.sim.max_num_seqs
-    async with fleet("capacity-sim", plan.replicas, plan.sim, log_dir) as urls:
+    fleet, urls = await start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)
+    async with stopping(fleet):
         capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
         progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
-        async with gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as url:
-            unloaded = await _run(plan, Services(url, urls), "unloaded", f"{ADMISSION.title}, interactive only",
+        async with _gateway("unloaded", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as target:
+            unloaded = await _run(plan, target, "unloaded", f"{ADMISSION.title}, interactive only",
                                   plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
     progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
              f"p99 {unloaded.interactive.ttft_p99_ms} ms")
     runs: list[RunResult] = []
     for key in plan.rows:
         row = ROWS[key]
-        async with services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(plan.sim),
+        async with _services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(plan.sim),
                             log_dir) as target:
             run = await _run(plan, target, key, row.title, plan.overload_factor * capacity,
                              plan.overload_s, plan.batch_fraction, plan.seed + 1,

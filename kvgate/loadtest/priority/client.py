@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from kvgate.loadtest.kit.stream import CHAT_PATH, ChatStream
 from kvgate.loadtest.priority.workload import INTERACTIVE, Arrival
 
-CHAT_PATH = "/v1/chat/completions"
 _DETAIL_CHARS = 160
 # No per-request timeout: the run's drain cap bounds every request, and one still open then counts as lost.
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -45,29 +45,16 @@ class Sample:
     lead_in: bool = False  # sent before the flood (workload.Arrival.lead_in)
 
 
-def _has_content(event: dict) -> bool:
-    """Whether one streamed chunk carries generated text."""
-    return any((choice.get("delta") or {}).get("content") for choice in event.get("choices") or ())
-
-
 async def _read_stream(response: aiohttp.ClientResponse, start: float) -> tuple[float | None, str]:
     """Read an SSE answer to its end: the time to its first content delta, and what went wrong ('' if nothing)."""
     loop = asyncio.get_running_loop()
-    ttft: float | None = None
-    done = False
+    reply = ChatStream(loop.time)
     async for line in response.content:
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[6:].strip()
-        if payload == b"[DONE]":
-            done = True
-            continue
-        event = orjson.loads(payload)
-        if "error" in event:
-            return ttft, f"stream error: {str(event['error'])[:_DETAIL_CHARS]}"
-        if ttft is None and _has_content(event):
-            ttft = loop.time() - start
-    return ttft, "" if done else "stream ended without [DONE]"
+        reply.feed(line)
+        if reply.error is not None:
+            break
+    reply.finish()
+    return (reply.delta_times[0] - start if reply.delta_times else None), reply.error or ""
 
 
 async def _read_whole(response: aiohttp.ClientResponse) -> str:

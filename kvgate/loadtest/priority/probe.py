@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvgate.loadtest.bench.sim_probe import read_stats
+from kvgate.loadtest.kit.replicas import read_stats
 
 SAMPLE_INTERVAL_SECONDS = 0.5
 

@@ -1,15 +1,10 @@
-"""The priority benchmark's Markdown report, and its section of docs/benchmarks.md."""
+"""The priority benchmark's Markdown report."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from kvgate.loadtest import docs_section
-
 from kvgate.loadtest.priority.summary import BATCH_THROUGHPUT_TOLERANCE, TTFT_RATIO_AIM, TTFT_RATIO_LIMIT
-
-SECTION = "priority"
 
 
 def _mark(passed: bool) -> str:
@@ -93,8 +88,3 @@ def render_markdown(report: dict[str, Any]) -> str:
         *_verdict_lines(report),
     ]
     return "\n".join(lines) + "\n"
-
-
-def write_docs_section(path: Path, markdown: str, section: str = SECTION) -> None:
-    """Replace `section` of `path` (between its markers); append it or create the file."""
-    docs_section.write_docs_section(path, section, markdown)

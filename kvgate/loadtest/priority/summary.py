@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from kvgate.loadtest.overhead.load import percentile_ms
+from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.priority.client import Outcome, Sample
 from kvgate.loadtest.priority.probe import QueueSummary
 from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE
@@ -13,6 +13,11 @@ from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE
 TTFT_RATIO_LIMIT = 2.0  # interactive TTFT p99 under overload against unloaded: the target
 TTFT_RATIO_AIM = 1.5
 BATCH_THROUGHPUT_TOLERANCE = 0.95  # run-to-run noise allowed before "no lower than FIFO" fails
+
+
+def _ms(seconds: list[float], q: int) -> float:
+    """The q-th percentile in milliseconds, to a tenth; 0 for none."""
+    return round((percentile(seconds, q) or 0.0) * 1000, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +42,7 @@ class ClassStats:
         ttfts = [s.ttft for s in ok if s.ttft is not None]
         problem = next((s.detail for s in samples if s.outcome in (Outcome.ERROR, Outcome.LOST)), "")
         return cls(len(samples), count[Outcome.OK], count[Outcome.SHED], count[Outcome.ERROR], count[Outcome.LOST],
-                   round(percentile_ms(ttfts, 50), 1), round(percentile_ms(ttfts, 99), 1),
-                   round(percentile_ms([s.e2e for s in ok if s.e2e is not None], 99), 1), problem)
+                   _ms(ttfts, 50), _ms(ttfts, 99), _ms([s.e2e for s in ok if s.e2e is not None], 99), problem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +95,7 @@ def summarise(key: str, title: str, offered_rps: float, duration_s: float, sampl
         key, title, round(offered_rps, 1), duration_s, round(max(ends, default=duration_s), 2),
         ClassStats.of([s for s in samples if s.priority == INTERACTIVE]),
         ClassStats.of([s for s in samples if s.priority == BATCH]),
-        round(percentile_ms([s.lag for s in samples], 99), 1), queues, gateway,
+        _ms([s.lag for s in samples], 99), queues, gateway,
     )
 
 

@@ -7,8 +7,8 @@ import itertools
 
 import aiohttp
 
-from kvgate.loadtest.bench.client import RequestSample, stream_chat
-from kvgate.loadtest.bench.workload import system_prompt
+from kvgate.loadtest.kit.stream import RequestSample, stream_chat
+from kvgate.loadtest.routing.workload import system_prompt
 
 _REQUEST_TIMEOUT_SECONDS = 30.0
 _SYSTEM_PROMPT_CHARS = 800
@@ -46,12 +46,6 @@ class SteadyLoad:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             await asyncio.gather(*(self._client(session, deadline) for _ in range(self._concurrency)))
         return self.samples
-
-    async def wait_for_samples(self, count: int, timeout: float) -> None:
-        """Return once `count` requests have finished; TimeoutError after `timeout` seconds."""
-        async with asyncio.timeout(timeout):
-            while len(self.samples) < count:
-                await asyncio.sleep(0.02)
 
     async def _client(self, session: aiohttp.ClientSession, deadline: float) -> None:
         loop = asyncio.get_running_loop()

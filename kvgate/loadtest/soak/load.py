@@ -13,8 +13,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from kvgate.loadtest.bench.client import CHAT_PATH, stream_chat
-from kvgate.loadtest.bench.workload import system_prompt, user_message
+from kvgate.loadtest.kit.stream import CHAT_PATH, stream_chat
+from kvgate.loadtest.routing.workload import system_prompt, user_message
 from kvgate.loadtest.soak.slow_reader import SlowReader, post_request
 
 OK = "ok"

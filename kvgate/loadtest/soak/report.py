@@ -12,8 +12,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from kvgate.loadtest.soak.summary import FLAT_GROWTH, FLAT_SLOPE_MB_PER_MIN  # noqa: E402
 
-SECTION = "soak"
-
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """RSS and open descriptors against time, the end of the load and each replica kill marked."""

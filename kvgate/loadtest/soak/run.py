@@ -12,11 +12,11 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgate.simulator import SimOptions
+from kvgate.loadtest.kit.processes import ChildProcess, base_url, free_ports, start_gateway, start_sim_fleet
 from kvgate.loadtest.soak.load import LoadShape, SoakLoad
-from kvgate.loadtest.soak.processes import SimReplicaProcess, start_kvgate
 from kvgate.loadtest.soak.sampler import ProcessSampler
 from kvgate.loadtest.soak.summary import cpu_summary, fd_summary, memory_summary
+from kvgate.simulator import SimOptions
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,35 @@ class SoakPlan:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return asdict(self)
+
+
+class SimReplicaProcess:
+    """One simulated replica in its own process on a fixed port, so a restart comes back at the same URL."""
+
+    def __init__(self, name: str, options: SimOptions, log_dir: Path) -> None:
+        (self.port,) = free_ports(1)
+        self.url = base_url(self.port)
+        self._name, self._options, self._log_dir = name, options, log_dir
+        self._starts = 0
+        self._child: ChildProcess | None = None
+
+    async def start(self) -> None:
+        """Start (or restart) the replica and wait until /health answers."""
+        self._starts += 1
+        self._child, _ = await start_sim_fleet(f"{self._name}-{self._starts}", 1, self._options, self._log_dir,
+                                               [self.port])
+
+    async def kill(self) -> None:
+        """Kill the replica's process with SIGKILL."""
+        child, self._child = self._child, None
+        if child is not None:
+            await child.kill()
+
+    async def stop(self) -> None:
+        """Stop the replica gracefully, if it runs."""
+        child, self._child = self._child, None
+        if child is not None:
+            await child.stop()
 
 
 class _Clock:
@@ -98,8 +127,9 @@ async def run_soak(plan: SoakPlan, log_dir: Path) -> dict[str, Any]:
     replicas = [SimReplicaProcess(f"replica-{n}", plan.sim, log_dir) for n in range(plan.replicas)]
     try:
         await asyncio.gather(*(replica.start() for replica in replicas))
-        kvgate, url = await start_kvgate([replica.url for replica in replicas], (), log_dir)
+        kvgate, url = await start_gateway("kvgate", [replica.url for replica in replicas], (), log_dir)
         try:
+            assert kvgate.pid is not None
             return await _measure(plan, url, kvgate.pid, replicas, log_dir)
         finally:
             await kvgate.stop()

@@ -1,0 +1,123 @@
+"""`kvgate bench SCENARIO [options]`: every benchmark of kvgate, each a scenario of one harness.
+
+A scenario is a module with `add_arguments(parser)` (its own flags) and `run(options) -> int` (exit status);
+it is imported only when chosen, so `kvgate bench --help` loads none of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvgate.loadtest.kit.processes import ProcessError
+from kvgate.loadtest.kit.report import BadOption
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """One benchmark: its module, what it measures in a line, and which common options it takes."""
+
+    name: str
+    module: str
+    summary: str
+    common: tuple[str, ...] = ()  # of "seed", "duration", "runs"
+
+
+SCENARIOS = (
+    Scenario("routing", "kvgate.loadtest.routing.scenario", "routing policies (and --external routers) on a "
+             "simulated fleet, closed-loop chats: hit rate, TTFT, balance against an oracle", ("seed", "duration", "runs")),
+    Scenario("chats", "kvgate.loadtest.routing.chats", "Poisson multi-turn chats of tenants with shared system "
+             "prompts, uniform and Zipf popularity, against a peer router", ("seed", "duration", "runs")),
+    Scenario("inference-perf", "kvgate.loadtest.routing.inference_perf", "inference-perf's shared_prefix load "
+             "through each router (skips unless inference-perf is installed)", ("seed", "runs")),
+    Scenario("real-engines", "kvgate.loadtest.routing.real_engines", "the routing rows on real vLLM engines (CPU "
+             "build), hit rates from vLLM's own counters", ("seed", "duration", "runs")),
+    Scenario("overhead", "kvgate.loadtest.overhead.scenario", "kvgate's own cost: direct to instant stubs vs through "
+             "kvgate, CPU per streamed chunk, py-spy profile", ("duration",)),
+    Scenario("priority", "kvgate.loadtest.priority.scenario", "interactive and batch classes at twice the fleet's "
+             "capacity, with and without admission control", ("seed", "duration")),
+    Scenario("soak", "kvgate.loadtest.soak.scenario", "minutes of streaming load with faults and replica kills: "
+             "memory, descriptors, lost requests", ("seed", "duration")),
+    Scenario("rolling", "kvgate.loadtest.rolling.scenario", "a rolling restart of the fleet under streaming load: "
+             "failed requests and TTFT before, during and after", ("duration",)),
+    Scenario("picker", "kvgate.loadtest.picker", "kvgate as Envoy's endpoint picker beside kvgate as a proxy: "
+             "hit rate, TTFB and CPU per request and chunk", ("seed", "duration")),
+    Scenario("hashing", "kvgate.loadtest.hashing", "cost of building RequestInfo (prefix hashing, engine "
+             "tokenization) and of one pick, against parsing the body"),
+    Scenario("scrape-parse", "kvgate.loadtest.scrape_parse", "cost of kvgate's parse of a vLLM /metrics page "
+             "against prometheus_client's"),
+)
+_COMMON_HELP = {
+    "seed": (int, "seed of the generated load (the same seed replays the same requests)"),
+    "duration": (float, "seconds of load per measured run (the scenario's preset when not given)"),
+    "runs": (int, "measured runs of each row; the tables show the median and the range over them"),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate bench", description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="scenarios:\n" + "\n".join(f"  {s.name:<15} {s.summary}" for s in SCENARIOS))
+    parser.add_argument("scenario", choices=[s.name for s in SCENARIOS], metavar="SCENARIO",
+                        help="the benchmark to run (listed below); `kvgate bench SCENARIO --help` for its options")
+    return parser
+
+
+def scenario_parser(scenario: Scenario) -> argparse.ArgumentParser:
+    """The command line of one scenario: the common options it takes, then its own."""
+    parser = argparse.ArgumentParser(prog=f"kvgate bench {scenario.name}", description=scenario.summary)
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for the JSON and Markdown report")
+    parser.add_argument("--docs", type=Path, metavar="FILE",
+                        help="also write the results into this Markdown file's section (docs/benchmarks.md)")
+    parser.add_argument("--quick", action="store_true", help="a tiny run of seconds (what the tests run)")
+    for name in scenario.common:
+        kind, text = _COMMON_HELP[name]
+        parser.add_argument(f"--{name}", type=kind, default=1 if name == "runs" else None, help=text)
+    importlib.import_module(scenario.module).add_arguments(parser)
+    return parser
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command that repeats a run, for its report: `kvgate bench` and its arguments, not where outputs went."""
+    shown: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--out", "--docs"):
+            skip = True
+        elif not arg.startswith(("--out=", "--docs=")):
+            shown.append(arg)
+    return shlex.join(["kvgate", "bench", *shown])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `kvgate bench`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0].startswith("-"):
+        _parser().parse_args(args)  # --help lists the scenarios; anything else is a usage error
+        return 2
+    chosen = {s.name: s for s in SCENARIOS}.get(args[0])
+    if chosen is None:
+        _parser().parse_args(args[:1])
+        return 2
+    options = scenario_parser(chosen).parse_args(args[1:])
+    if getattr(options, "runs", 1) < 1:
+        print("kvgate bench: --runs must be >= 1", file=sys.stderr)
+        return 2
+    options.command = command_line(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    try:
+        return importlib.import_module(chosen.module).run(options)
+    except BadOption as exc:
+        print(f"kvgate bench {chosen.name}: {exc}", file=sys.stderr)
+        return 2
+    except ProcessError as exc:
+        print(f"kvgate bench {chosen.name}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,1 @@
+"""The benchmark kit: launching, streaming, percentiles, reports."""

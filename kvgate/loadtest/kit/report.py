@@ -1,0 +1,73 @@
+"""Where every benchmark's results go: NAME.json and NAME.md in the output folder, and its docs section.
+
+A docs section sits between `<!-- bench:SECTION:start -->` and `<!-- bench:SECTION:end -->` in a shared Markdown
+file (docs/benchmarks.md); writing it replaces only that section.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+class BadOption(ValueError):
+    """A scenario's option that makes no sense; `kvgate bench` prints it and exits 2."""
+
+
+def markers(section: str) -> tuple[str, str]:
+    """The start and end markers of `section`: `<!-- bench:SECTION:start -->` and `<!-- bench:SECTION:end -->`."""
+    return f"<!-- bench:{section}:start -->", f"<!-- bench:{section}:end -->"
+
+
+def write_docs_section(path: Path, section: str, markdown: str) -> None:
+    """Replace the text between `section`'s markers in `path`; append the section (or create the file) if absent."""
+    start_marker, end_marker = markers(section)
+    block = f"{start_marker}\n{markdown}{end_marker}"
+    text = path.read_text() if path.exists() else ""
+    start, end = text.find(start_marker), text.find(end_marker)
+    if start != -1 and end > start:
+        text = text[:start] + block + text[end + len(end_marker):]
+    else:
+        text = (text.rstrip("\n") + "\n\n" if text.strip() else "") + block + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def utc_now() -> str:
+    """The current UTC time to the minute."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+class RunMeta:
+    """Notes the machine's 1-minute load average when a run starts, to report next to the one at its end."""
+
+    def __init__(self) -> None:
+        self._load_before = os.getloadavg()[0]
+
+    def finish(self, **extra: Any) -> dict[str, Any]:
+        """The run's metadata now it has ended: date (UTC), CPUs, Python, load average before/after, and `extra`."""
+        return {"date": utc_now(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                "loadavg_1m": [round(self._load_before, 2), round(os.getloadavg()[0], 2)], **extra}
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A Markdown table's lines."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def publish(out: Path, name: str, report: dict[str, Any], markdown: str, docs: Path | None,
+            section: str | None = None) -> None:
+    """Write out/NAME.json and out/NAME.md, the docs section `section` (default NAME) when `docs` is given; print it."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS))
+    (out / f"{name}.md").write_text(markdown)
+    if docs is not None:
+        write_docs_section(docs, section or name, markdown)
+    print(markdown)

@@ -1,0 +1,26 @@
+"""The one percentile every benchmark reports, and the spread of a figure over repeated runs."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+
+
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """The q-th percentile (0..100) of `values`, interpolating linearly between ranks; None for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
+    """(median, lowest, highest) of one figure over repeated runs, runs without it left out; None if none has it."""
+    measured = [value for value in values if value is not None]
+    if not measured:
+        return None
+    return statistics.median(measured), min(measured), max(measured)

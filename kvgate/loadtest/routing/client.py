@@ -1,0 +1,118 @@
+"""The routing benchmark's load: scripted multi-turn chats, closed loop or Poisson arrivals, bounded in count and time.
+
+Requests go to the targets in turn (client-side round robin), so several gateways share the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import aiohttp
+
+from kvgate.loadtest.kit.stream import RequestSample, stream_chat
+from kvgate.loadtest.routing.workload import Conversation, WorkloadSpec
+
+# Requests still open this long after the time cap are cut off (and count as errors).
+_GRACE_SECONDS_AFTER_CAP = 15.0
+
+OnSample = Callable[[RequestSample], None]
+
+
+def chat_body(spec: WorkloadSpec, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """A streamed chat completion request for the workload's model."""
+    return {"model": spec.model, "messages": messages, "max_tokens": spec.max_tokens, "stream": True}
+
+
+class _OpenChat:
+    """A conversation in progress: the messages so far and how many turns it has sent."""
+
+    __slots__ = ("conversation", "messages", "turn")
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.conversation = conversation
+        self.messages = [{"role": "system", "content": conversation.system_prompt}]
+        self.turn = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.turn >= len(self.conversation.user_turns)
+
+
+class ConversationDriver:
+    """Drives conversations: `spec.concurrency` users back to back, or with `spec.rate` > 0 Poisson arrivals.
+
+    Under Poisson arrivals each arrival sends the next turn of a conversation whose previous answer has come
+    back, picked at random, or opens a new one while fewer than `concurrency` are open (or none is ready); an
+    arrival that finds every open conversation waiting and none left to open is skipped, so a conversation's
+    turns stay in order, as a user's do.
+    """
+
+    def __init__(self, spec: WorkloadSpec, base_urls: Sequence[str], on_sample: OnSample | None = None) -> None:
+        self._spec = spec
+        self._targets = itertools.cycle(base_urls)
+        self._on_sample = on_sample
+        self._rng = random.Random(f"arrivals-{spec.seed}")
+        self.samples: list[RequestSample] = []
+
+    async def run(self, conversations: Sequence[Conversation]) -> list[RequestSample]:
+        """Drive every conversation (or as many turns as fit in the workload's duration); return the samples."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            if self._spec.rate > 0:
+                await self._poisson(session, deque(conversations), start)
+            else:
+                queue = iter(conversations)
+                await asyncio.gather(*(self._user(session, queue, start) for _ in range(self._spec.concurrency)))
+        return self.samples
+
+    async def _user(self, session: aiohttp.ClientSession, queue: Iterator[Conversation], start: float) -> None:
+        loop = asyncio.get_running_loop()
+        for conversation in queue:
+            chat = _OpenChat(conversation)
+            while not chat.finished and loop.time() < start + self._spec.duration:
+                if not await self._send(session, chat, start):
+                    break  # a real user would not continue a conversation that failed
+
+    async def _poisson(self, session: aiohttp.ClientSession, unopened: deque[Conversation], start: float) -> None:
+        loop = asyncio.get_running_loop()
+        ready: list[_OpenChat] = []
+        busy: set[asyncio.Task[None]] = set()
+        arrival = start
+        while (unopened or ready or busy) and arrival < start + self._spec.duration:
+            arrival += self._rng.expovariate(self._spec.rate)
+            await asyncio.sleep(max(0.0, arrival - loop.time()))
+            if unopened and (len(ready) + len(busy) < self._spec.concurrency or not ready):
+                chat = _OpenChat(unopened.popleft())
+            elif ready:
+                chat = ready.pop(self._rng.randrange(len(ready)))
+            else:
+                continue
+            task = asyncio.create_task(self._send_then_ready(session, chat, ready, start))
+            busy.add(task)
+            task.add_done_callback(busy.discard)
+        if busy:
+            await asyncio.gather(*busy)
+
+    async def _send_then_ready(self, session: aiohttp.ClientSession, chat: _OpenChat, ready: list[_OpenChat],
+                               start: float) -> None:
+        if await self._send(session, chat, start) and not chat.finished:
+            ready.append(chat)
+
+    async def _send(self, session: aiohttp.ClientSession, chat: _OpenChat, start: float) -> bool:
+        """Send the conversation's next turn and keep the answer in its history; whether it succeeded."""
+        chat.messages.append({"role": "user", "content": chat.conversation.user_turns[chat.turn]})
+        chat.turn += 1
+        cutoff = start + self._spec.duration + _GRACE_SECONDS_AFTER_CAP - asyncio.get_running_loop().time()
+        sample, reply = await stream_chat(session, next(self._targets), chat_body(self._spec, chat.messages),
+                                          start, cutoff)
+        self.samples.append(sample)
+        if self._on_sample is not None:
+            self._on_sample(sample)
+        chat.messages.append({"role": "assistant", "content": reply})
+        return sample.error is None

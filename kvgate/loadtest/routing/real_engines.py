@@ -1,0 +1,25 @@
+"""`kvgate bench real-engines`: the routing rows on real vLLM engines (the CPU build, one per core).
+
+The interpreter with vLLM comes from $KVGATE_VLLM_PYTHON (`./dev real` creates .venv-vllm); hit rates come from
+vLLM's own prefix-cache counters. The flags are the routing scenario's; with --precise the engines publish KV events.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvgate.loadtest.kit.report import BadOption
+from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, vllm_python
+from kvgate.loadtest.routing.scenario import add_arguments, chat_loads, run_loads
+
+__all__ = ["add_arguments", "run"]
+
+
+def run(options: argparse.Namespace) -> int:
+    """Measure every row on real engines; BadOption when no interpreter with vLLM is set up."""
+    python = vllm_python()
+    if python is None:
+        raise BadOption(f"needs {VLLM_PYTHON_ENV}, an interpreter with vLLM (./dev real makes one)")
+    tokenizer_dir = options.out / "vllm" / "model" if options.precise else None  # where the engines' model is written
+    return run_loads(options, chat_loads(options), "Routing benchmark on real vLLM engines", "routing-real-engines",
+                     python, tokenizer_dir)

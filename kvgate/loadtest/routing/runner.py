@@ -1,0 +1,255 @@
+"""Runs a routing benchmark: per load a fleet and oracle sized for it, then every row in turn, `runs` times each."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+
+from kvgate.loadtest.kit.gateway_metrics import read_decisions, wait_kv_events
+from kvgate.loadtest.kit.processes import ProcessError, start_external, start_gateway, start_sim_fleet, stopping
+from kvgate.loadtest.kit.replicas import LoadSampler, ReplicaProbe, RunningFleet, SimProbe
+from kvgate.loadtest.kit.stream import RequestSample
+from kvgate.loadtest.routing.loads import ChatLoad, Load
+from kvgate.loadtest.routing.results import (
+    BASELINE_POLICY,
+    EXTERNAL,
+    KVGATE,
+    ORACLE,
+    PRESSURE_ORACLE,
+    RowPlan,
+    RowRun,
+    ScenarioRun,
+)
+from kvgate.loadtest.routing.sizing import fleet_options, oracle_options, pressure_oracle_options
+from kvgate.loadtest.routing.vllm_fleet import VllmProbe, vllm_fleet
+from kvgate.simulator import SimOptions
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None]
+_PROGRESS_INTERVAL_SECONDS = 5.0
+FRONT_POLICY = "round-robin"  # the front that spreads a one-URL load generator over several gateways
+
+
+@dataclass(frozen=True, slots=True)
+class BenchSettings:
+    """Everything one routing benchmark needs."""
+
+    loads: tuple[Load, ...]
+    replicas: int
+    policies: tuple[str, ...]  # kvgate policies measured besides the round-robin baseline
+    gateways: int  # gateways of the multi-gateway cache-aware row; below 2 leaves it out
+    externals: tuple[tuple[str, str], ...]  # (row name, command line template)
+    cache_fraction: float
+    sim: SimOptions  # timing knobs every simulated replica shares
+    out_dir: Path
+    runs: int = 1  # measured runs of every row
+    vllm_python: str | None = None  # real vLLM engines (this interpreter has vLLM) instead of simulated replicas
+    # Precise routing rows: the replicas publish KV events; simulated ones tokenize with this model directory.
+    tokenizer_dir: Path | None = None
+
+    @property
+    def chars_per_token(self) -> float:
+        """For sizing: the simulator's own 4, or a conservative 3 for a real (byte-level BPE) tokenizer."""
+        return 3.0 if self.tokenizer_dir else 4.0
+
+    def fleet_options(self, load: Load) -> SimOptions:
+        """Settings of each fleet replica for a load (publishing KV events in precise mode)."""
+        footprint = load.footprint(self.sim.block_size, self.chars_per_token)
+        options = fleet_options(footprint, load.model, self.sim, self.cache_fraction)
+        if self.tokenizer_dir is None:
+            return options
+        return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir), kv_events=True)
+
+    def oracle_options(self, load: Load) -> SimOptions:
+        """Settings of the oracle replica for a load."""
+        footprint = load.footprint(self.sim.block_size, self.chars_per_token)
+        options = oracle_options(footprint, load.model, self.sim)
+        return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir)) if self.tokenizer_dir else options
+
+
+def plan_rows(settings: BenchSettings) -> list[RowPlan]:
+    """The rows of every load: oracle, baseline, each policy, several gateways, precise routing, external routers."""
+    rows = [RowPlan(ORACLE, ORACLE), RowPlan(BASELINE_POLICY, KVGATE, policy=BASELINE_POLICY)]
+    rows += [RowPlan(policy, KVGATE, policy=policy) for policy in settings.policies if policy != BASELINE_POLICY]
+    if settings.gateways > 1:
+        rows.append(RowPlan(f"cache-aware x{settings.gateways}", KVGATE, policy="cache-aware",
+                            gateways=settings.gateways))
+    if settings.tokenizer_dir is not None:
+        rows.insert(1, RowPlan(PRESSURE_ORACLE, PRESSURE_ORACLE))
+        rows.append(RowPlan("cache-aware precise", KVGATE, policy="cache-aware", precise=True))
+        if settings.gateways > 1:
+            rows.append(RowPlan(f"cache-aware precise x{settings.gateways}", KVGATE, policy="cache-aware",
+                                gateways=settings.gateways, precise=True))
+    rows += [RowPlan(name, EXTERNAL, template=template) for name, template in settings.externals]
+    return rows
+
+
+async def run_bench(settings: BenchSettings, progress: Progress) -> list[ScenarioRun]:
+    """Every load's rows one at a time against replicas started for that load, reset between rows."""
+    log_dir = settings.out_dir / "logs"
+    scenarios: list[ScenarioRun] = []
+    for load in settings.loads:
+        async with AsyncExitStack() as stack:
+            fleet, probe = await stack.enter_async_context(_replicas(settings, load, log_dir))
+            session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
+            simulated = settings.vllm_python is None
+            scenario = ScenarioRun(load.name, load.describe(), load.skewed,
+                                   settings.fleet_options(load) if simulated else None,
+                                   settings.oracle_options(load) if simulated else None)
+            for plan in plan_rows(settings):
+                for run in range(settings.runs):
+                    label = f"{load.name}/{plan.name}" + (f" #{run + 1}" if settings.runs > 1 else "")
+                    row = await _run_row(settings, load, plan, fleet, probe, session, label, progress)
+                    scenario.rows.append(row)
+                    progress(_row_line(label, row))
+        scenarios.append(scenario)
+    return scenarios
+
+
+async def _run_row(settings: BenchSettings, load: Load, plan: RowPlan, fleet: RunningFleet, probe: ReplicaProbe,
+                   session: aiohttp.ClientSession, label: str, progress: Progress) -> RowRun:
+    """One measured run of one row; a row whose processes fail is recorded with the reason."""
+    row = RowRun(plan)
+    sim_urls = fleet.direct.get(plan.kind, fleet.urls)
+    log_dir, work_dir = settings.out_dir / "logs", settings.out_dir / "runs" / label.replace(" ", "").replace("#", "-")
+    try:
+        async with _routers(plan, fleet, log_dir, load) as gateways:
+            if plan.precise:
+                await wait_kv_events(session, gateways, precise=False)  # so the reset is seen
+            await probe.reset(session, sim_urls)
+            if plan.precise:
+                await wait_kv_events(session, gateways, precise=True)
+            async with _front(load, gateways, log_dir, label) as targets:
+                await _measure(row, session, sim_urls, targets or sim_urls, load, work_dir, probe,
+                               _Ticker(label, progress))
+            if plan.kind == KVGATE:
+                row.decisions = await read_decisions(session, gateways)
+    except (ProcessError, TimeoutError) as exc:  # a router that would not start, or not follow the KV events
+        row.error = str(exc).splitlines()[0]
+        log.warning("bench row failed row=%s error=%s", label, exc)
+    return row
+
+
+@asynccontextmanager
+async def _replicas(settings: BenchSettings, load: Load, log_dir: Path) -> AsyncIterator[tuple[RunningFleet, ReplicaProbe]]:
+    """The replicas of a load and how to read them: simulated replicas, or real engines."""
+    precise = settings.tokenizer_dir is not None
+    if settings.vllm_python is not None:
+        assert isinstance(load, ChatLoad), "real engines are sized for the chat loads"
+        async with vllm_fleet(load.spec, settings.replicas, settings.cache_fraction, settings.vllm_python,
+                              settings.out_dir / "vllm", precise) as engines:
+            yield engines, VllmProbe()
+        return
+    async with AsyncExitStack() as stack:
+        options = settings.fleet_options(load)
+        fleet, fleet_urls = await start_sim_fleet(f"{load.name}-fleet", settings.replicas, options, log_dir)
+        stack.push_async_callback(fleet.stop)
+        oracle, oracle_urls = await start_sim_fleet(f"{load.name}-oracle", 1, settings.oracle_options(load), log_dir)
+        stack.push_async_callback(oracle.stop)
+        direct = {ORACLE: oracle_urls}  # rows whose traffic goes straight to their own replica
+        flags: list[str] = []
+        if settings.tokenizer_dir is not None:
+            pressure, direct[PRESSURE_ORACLE] = await start_sim_fleet(
+                f"{load.name}-pressure-oracle", 1, pressure_oracle_options(options, settings.replicas), log_dir)
+            stack.push_async_callback(pressure.stop)
+            flags = precise_args(fleet_urls, options, settings.tokenizer_dir)
+        yield RunningFleet(fleet_urls, direct, flags), SimProbe()
+
+
+def precise_args(endpoints: Sequence[str], options: SimOptions, tokenizer_dir: Path) -> list[str]:
+    """`kvgate serve` flags that subscribe to each simulated replica's KV events and tokenize as it does."""
+    args = []
+    for url in endpoints:
+        port = int(url.rpartition(":")[2])
+        offset = options.kv_events_port_offset
+        args += ["--kv-events-endpoint", f"{url}=tcp://127.0.0.1:{port + offset}",
+                 "--kv-events-replay-endpoint", f"{url}=tcp://127.0.0.1:{port + 2 * offset}"]
+    return [*args, "--tokenizer", f"{options.models[0]}={tokenizer_dir}"]
+
+
+@asynccontextmanager
+async def _routers(plan: RowPlan, fleet: RunningFleet, log_dir: Path, load: Load) -> AsyncIterator[list[str]]:
+    """Start the row's router processes; yields their base URLs (none for the oracles: traffic goes direct)."""
+    workers = fleet.urls
+    async with AsyncExitStack() as stack:
+        urls: list[str] = []
+        flags = [] if plan.policy is None else ["--policy", plan.policy]
+        if plan.precise:
+            flags += fleet.precise_flags
+        for index in range(plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0):
+            name = f"{load.name}-{plan.name}-{index}".replace(" ", "")
+            if plan.kind == KVGATE:
+                child, url = await start_gateway(name, workers, flags, log_dir)
+            else:
+                assert plan.template is not None
+                child, url = await start_external(name, plan.template, workers, log_dir)
+            stack.push_async_callback(child.stop)
+            urls.append(url)
+        yield urls
+
+
+@asynccontextmanager
+async def _front(load: Load, gateways: list[str], log_dir: Path, label: str) -> AsyncIterator[list[str]]:
+    """The URLs the load goes to: the gateways, or a round-robin kvgate in front of them for a one-URL generator."""
+    if len(gateways) < 2 or not load.single_target:
+        yield gateways
+        return
+    name = f"{label}-front".replace(" ", "").replace("/", "-").replace("#", "")
+    child, url = await start_gateway(name, gateways, ["--policy", FRONT_POLICY], log_dir)
+    async with stopping(child):
+        yield [url]
+
+
+async def _measure(row: RowRun, session: aiohttp.ClientSession, sim_urls: Sequence[str], targets: Sequence[str],
+                   load: Load, work_dir: Path, probe: ReplicaProbe, ticker: _Ticker) -> None:
+    """Drive the load through `targets` while sampling the replicas' load; fill in `row`."""
+    loop = asyncio.get_running_loop()
+    async with LoadSampler(session, sim_urls, probe) as sampler:
+        start = loop.time()
+        ticking = asyncio.create_task(ticker.run())
+        try:
+            row.samples = await load.drive(targets, work_dir, ticker.count)
+        finally:
+            ticking.cancel()
+        row.wall_seconds = loop.time() - start
+    row.load = sampler.series
+    row.replica_stats = await probe.stats(session, sim_urls)
+
+
+class _Ticker:
+    """Counts finished requests and prints a progress line periodically while a row runs."""
+
+    def __init__(self, label: str, progress: Progress) -> None:
+        self._label = label
+        self._progress = progress
+        self._requests = 0
+        self._errors = 0
+
+    def count(self, sample: RequestSample) -> None:
+        """Note one finished request."""
+        self._requests += 1
+        self._errors += sample.error is not None
+
+    async def run(self) -> None:
+        """Print progress every few seconds until cancelled."""
+        elapsed = 0.0
+        while True:
+            await asyncio.sleep(_PROGRESS_INTERVAL_SECONDS)
+            elapsed += _PROGRESS_INTERVAL_SECONDS
+            self._progress(f"  {self._label}: {elapsed:.0f}s, {self._requests} requests, {self._errors} errors")
+
+
+def _row_line(label: str, row: RowRun) -> str:
+    """The one-line outcome of a row."""
+    if row.error is not None:
+        return f"{label}: FAILED: {row.error}"
+    hit_rate = "n/a" if row.hit_rate is None else f"{row.hit_rate:.1%}"
+    return f"{label}: {len(row.samples)} requests in {row.wall_seconds:.1f}s, hit rate {hit_rate}, {row.errors} errors"

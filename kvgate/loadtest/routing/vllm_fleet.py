@@ -1,0 +1,152 @@
+"""Real vLLM engines (the CPU build) as the routing benchmark's fleet and oracle, probed through their own counters.
+
+The fleet is one engine per core, its KV cache sized in the engine's real blocks and tokens (the tiny model's
+tokenizer, measured on the workload's own text) to hold `cache_fraction` of the prefixes in play; the oracle is one
+more engine whose cache never evicts. Hit rates come from `vllm:prefix_cache_hits_total` / `queries_total`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvgate.loadtest.kit.processes import free_ports
+from kvgate.loadtest.kit.replicas import RunningFleet
+from kvgate.loadtest.kit.tiny_model import write_tiny_model
+from kvgate.loadtest.kit.vllm_engine import EngineSpec, VllmEngine, start_engines
+from kvgate.loadtest.routing.workload import PrefixFootprint, WorkloadSpec, system_prompt, user_message
+
+BLOCK_SIZE = 128  # vLLM's block size on CPU
+KV_BYTES_PER_TOKEN = 1024  # the tiny model: 2 layers x (K, V) x 4 heads x 32 dims x 2 bytes
+
+# Counter samples on the page -> the stats keys the benchmark reads (the simulator's /sim/stats names).
+_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:request_success_total": "requests",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+}
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+
+
+def _page_stats(page: str) -> dict[str, float]:
+    """The benchmark's counters and gauges from one /metrics page, summed over label sets."""
+    stats = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
+    names = _COUNTERS | _GAUGES
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name in names:
+                stats[names[sample.name]] += sample.value
+    return stats
+
+
+class VllmProbe:
+    """Reads and resets engines the way the simulator's /sim/stats and /sim/reset do, from vLLM's own endpoints."""
+
+    def __init__(self) -> None:
+        self._baseline: dict[str, dict[str, float]] = {}
+
+    async def _page(self, session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        async with session.get(url + "/metrics") as response:
+            response.raise_for_status()
+            return _page_stats(await response.text())
+
+    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+        """Empty every engine's prefix cache and count from here (vLLM's counters never go back to zero)."""
+        for url in urls:
+            async with session.post(url + "/reset_prefix_cache") as response:
+                response.raise_for_status()
+            self._baseline[url] = await self._page(session, url)
+
+    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
+        """Counters since the last reset, and the queues now, per engine in the order of `urls`."""
+        pages = await asyncio.gather(*(self._page(session, url) for url in urls))
+        result = []
+        for url, page in zip(urls, pages, strict=True):
+            baseline = self._baseline.get(url, {})
+            counters = {key: page[key] - baseline.get(key, 0.0) for key in _COUNTERS.values()}
+            result.append(counters | {key: page[key] for key in _GAUGES.values()})
+        return result
+
+
+def measured_chars_per_token(model_dir: Path, spec: WorkloadSpec) -> float:
+    """Characters per token of the workload's own text under the model's tokenizer."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = system_prompt(0, spec.system_prompt_chars) + user_message(0, 0, spec.user_chars, spec.seed)
+    return len(text) / len(tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSizing:
+    """KV blocks, context length and seats of the fleet's engines and of the oracle."""
+
+    fleet_blocks: int
+    oracle_blocks: int
+    max_model_len: int
+    fleet_seats: int
+    oracle_seats: int
+    chars_per_token: float
+
+    @classmethod
+    def of(cls, spec: WorkloadSpec, cache_fraction: float, chars_per_token: float) -> EngineSizing:
+        """Each fleet engine holds `cache_fraction` of the prefixes in play; the oracle twice the whole workload."""
+        footprint = PrefixFootprint.of(spec, BLOCK_SIZE, chars_per_token)
+        model_len = math.ceil(footprint.longest_request_tokens / BLOCK_SIZE) * BLOCK_SIZE
+        in_play = footprint.all_system_prompts(spec) + spec.concurrency * footprint.history_blocks
+        return cls(fleet_blocks=max(math.ceil(cache_fraction * in_play), 2 * model_len // BLOCK_SIZE),
+                   oracle_blocks=2 * footprint.whole_workload(spec), max_model_len=model_len,
+                   fleet_seats=max(8, spec.concurrency), oracle_seats=2 * spec.concurrency,
+                   chars_per_token=chars_per_token)
+
+
+def engine_sizing(spec: WorkloadSpec, cache_fraction: float, workdir: Path) -> EngineSizing:
+    """The engines' sizing for a workload, measured with the tiny model's tokenizer (written under `workdir`)."""
+    model_dir = workdir / "model"
+    if not (model_dir / "tokenizer.json").exists():
+        write_tiny_model(model_dir)
+    return EngineSizing.of(spec, cache_fraction, measured_chars_per_token(model_dir, spec))
+
+
+@asynccontextmanager
+async def vllm_fleet(spec: WorkloadSpec, replicas: int, cache_fraction: float, python: str, workdir: Path,
+                     precise: bool = False) -> AsyncIterator[RunningFleet]:
+    """Start `replicas` fleet engines (one per core, round robin) and the oracle; with `precise` the fleet publishes
+    KV events and one more engine with the whole fleet's cache is the pressure oracle."""
+    sizing = engine_sizing(spec, cache_fraction, workdir)
+    model_dir = workdir / "model"
+    ports = free_ports(3 * replicas + 2)
+    events = iter(ports[replicas + 2:])
+
+    def engine(port: int, cpu: int, blocks: int, seats: int, publish: bool = False) -> EngineSpec:
+        return EngineSpec(port=port, cpu=cpu, model_dir=model_dir, served_model_name=spec.model,
+                          kv_cache_bytes=blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN, max_num_seqs=seats,
+                          max_model_len=sizing.max_model_len, kv_events_port=next(events) if publish else None,
+                          kv_events_replay_port=next(events) if publish else None)
+
+    specs = [engine(port, index % 2, sizing.fleet_blocks, sizing.fleet_seats, precise)
+             for index, port in enumerate(ports[:replicas])]
+    specs.append(engine(ports[replicas], 0, sizing.oracle_blocks, sizing.oracle_seats))
+    if precise:
+        specs.append(engine(ports[replicas + 1], 1, replicas * sizing.fleet_blocks, replicas * sizing.fleet_seats))
+    engines: list[VllmEngine] = await asyncio.to_thread(start_engines, specs, workdir / "engines", python)
+    fleet = engines[:replicas]
+    flags = [flag for e in fleet for flag in ("--kv-events-endpoint", f"{e.url}={e.kv_events_endpoint}",
+                                              "--kv-events-replay-endpoint", f"{e.url}={e.replay_endpoint}")]
+    direct = {"oracle": [engines[replicas].url]} | ({"pressure oracle": [engines[-1].url]} if precise else {})
+    try:
+        # The engines' endpoints name an address (no `*`), so vLLM connects out to it and kvgate binds it.
+        flags += ["--kv-events-bind", "true", "--tokenizer", f"{spec.model}={model_dir}"]
+        yield RunningFleet([e.url for e in fleet], direct, flags)
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(e.stop) for e in engines))
