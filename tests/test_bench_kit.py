@@ -23,7 +23,7 @@ def test_bench_help_lists_every_scenario_with_a_line_on_what_it_measures() -> No
         line = next(line for line in done.stdout.splitlines() if line.strip().startswith(scenario.name + " "))
         assert len(line.split(None, 1)[1]) > 20, line
     assert {s.name for s in SCENARIOS} >= {"routing", "chats", "inference-perf", "real-engines", "overhead",
-                                           "priority", "soak", "rolling", "picker", "hashing", "scrape-parse"}
+                                           "priority", "burst", "soak", "rolling", "picker", "hashing", "scrape-parse"}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)

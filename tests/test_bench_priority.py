@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -13,6 +14,7 @@ from aiohttp import web
 from kvgate.loadtest.priority.client import Outcome, run_open_loop
 from kvgate.loadtest.priority.rows import ROWS
 from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
+from kvgate.loadtest.priority.scenario import FLEETS
 from kvgate.simulator import SimOptions
 from tests.bench_run import run_bench
 
@@ -142,3 +144,26 @@ def test_rows_run_as_deployed_unless_they_measure_a_difference() -> None:
     assert ROWS["a"].sim_options(sim).priority_scheduling and "--upstream-priority" in ROWS["a"].gateway_flags(sim)
     for key in ("b", "d"):
         assert not ROWS[key].sim_options(sim).priority_scheduling and "--upstream-priority" not in ROWS[key].gateway_flags(sim)
+
+
+def test_rows_without_configuration_give_kvgate_no_flag_at_all() -> None:
+    sim = SimOptions(max_num_seqs=8)
+    for key in ("g", "h"):
+        assert ROWS[key].gateway_flags(sim) == [] and not ROWS[key].sim_options(sim).priority_scheduling
+    assert ROWS["g"].batch_stream and not ROWS["h"].batch_stream
+
+
+def test_the_kv_bound_fleet_fills_its_cache_before_its_seats() -> None:
+    kv_bound = FLEETS["kv-bound"]
+    sim = kv_bound["sim"]
+    prompt_tokens = kv_bound["prompt_words"] * 6 / 4  # the simulator's 4 characters per token, ~6 per word
+    assert sim.num_gpu_blocks * sim.block_size < sim.max_num_seqs * prompt_tokens
+
+
+def test_a_burst_through_kvgate_answers_every_stream(tmp_path: Path) -> None:
+    result = run_bench("burst", "--quick", "--out", str(tmp_path), timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = orjson.loads((tmp_path / "burst.json").read_bytes())
+    [kvgate] = report["routers"]["kvgate"]
+    assert kvgate["ok"] == report["streams"] == 50 and kvgate["failed"] == 0
+    assert 0 < kvgate["ttft_p50_ms"] <= kvgate["ttft_p99_ms"]

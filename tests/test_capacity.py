@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import ClassStanding, SaturationThresholds, SeatLearner, room_for, seat_to_free
+from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_slots, room_for,
+                                      seat_to_free)
 from kvgate.policies.rendezvous import retry_order
 
 
@@ -63,3 +64,11 @@ def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_the
 def test_retries_try_every_candidate_after_the_ranked_ones_least_loaded_first() -> None:
     a, b, c, d = (replica(key, seats=None, in_flight=load) for key, load in (("a", 0), ("b", 9), ("c", 5), ("d", 1)))
     assert [s.key for s in retry_order(7, [a, c], [a, b, c, d])] == ["c", "d", "b"]
+
+
+def test_a_replica_whose_kv_cache_binds_takes_what_fits_not_what_its_unknown_seats_might() -> None:
+    long_prompts = EndpointState(Endpoint("a", "http://a:8000"),
+                                 metrics=ReplicaMetrics(running=3, kv_cache_usage=0.6, scraped_at=1.0, stale=False))
+    assert kv_slots(long_prompts.metrics, 0.8) == 4  # three sequences hold 60 %: four fit under 80 %
+    assert room_for([long_prompts], SaturationThresholds(), ClassStanding()) == 4 + 1 - 3  # one past, as learned
+    assert room_for([long_prompts], SaturationThresholds(), ClassStanding(reserve=0.25, yields=True)) == 0

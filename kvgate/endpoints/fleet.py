@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
-from kvgate.policies.capacity import SeatLearner, slots
+from kvgate.policies.capacity import SeatLearner
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,6 @@ class Fleet:
         self._sends: Counter[str] = Counter()  # requests ever sent to each replica
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
-        self._kv_full = kv_full  # KV-cache use that bounds what a replica runs at once
         self._seats = SeatLearner(kv_full)
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
@@ -97,7 +96,7 @@ class Fleet:
         metrics = self._metrics(key)
         return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key],
                              models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
-                             seats=slots(self._configured_seats or self._seats.seats(key), metrics, self._kv_full))
+                             seats=self._configured_seats or self._seats.seats(key))
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""

@@ -60,7 +60,7 @@ class EndpointState:
     models: frozenset[str] = frozenset()  # served models and adapters; empty while unknown
     healthy: bool = True  # passive health: False while its circuit breaker is open
     recent: int = 0  # requests sent minus requests finished since the replica's last successful scrape
-    seats: int | None = None  # sequences it runs at once now (capacity.slots): seats or KV-bound; None unknown
+    seats: int | None = None  # sequences it runs at once (vLLM --max-num-seqs): configured or learned; None unknown
 
     @property
     def key(self) -> str:

@@ -42,6 +42,8 @@ SCENARIOS = (
              "kvgate, CPU per streamed chunk, py-spy profile", ("duration",)),
     Scenario("priority", "kvgate.loadtest.priority.scenario", "interactive and batch classes at twice the fleet's "
              "capacity, with and without admission control", ("seed", "duration")),
+    Scenario("burst", "kvgate.loadtest.priority.burst", "many streams opened at once on an idle fleet with room to "
+             "spare, through kvgate and --external routers: time to first token"),
     Scenario("soak", "kvgate.loadtest.soak.scenario", "minutes of streaming load with faults and replica kills: "
              "memory, descriptors, lost requests", ("seed", "duration")),
     Scenario("rolling", "kvgate.loadtest.rolling.scenario", "a rolling restart of the fleet under streaming load: "

@@ -34,19 +34,21 @@ def occupied(state: EndpointState) -> int:
     return max(0, state.metrics.running + state.metrics.waiting + state.recent)
 
 
-def estimated_waiting(state: EndpointState, cautious: bool = False) -> int:
+def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int | None = None) -> int:
     """The replica's queue now: the last scraped depth moved by what was sent and finished since.
 
     With its seat count known, whatever is on the replica beyond its seats. Without it, a request sent since
     the scrape is taken to run when the scrape showed no queue (an idle replica takes a burst at once, and
     the next scrape shows where it went) and to wait behind the queue it showed; `cautious` counts every
-    such request as waiting until the next scrape. 0 for a replica never scraped.
+    such request as waiting until the next scrape. 0 for a replica never scraped. `seats` overrides the state's
+    (headroom passes what the replica runs at once now, its KV cache included).
     """
     metrics = state.metrics
+    seats = seats or state.seats
     if metrics.scraped_at is None:
         return 0
-    if state.seats:
-        return max(0, occupied(state) - state.seats)
+    if seats:
+        return max(0, occupied(state) - seats)
     if not metrics.waiting and not cautious:
         return 0
     return max(0, metrics.waiting + state.recent)
@@ -72,15 +74,16 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     """
     room = float("inf")
     metrics = state.metrics
+    seats = slots(state.seats, metrics, limits.kv_cache)
     if metrics.scraped_at is not None:
         if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
         if limits.queue:
-            waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, cautious=not probe)
+            waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, not probe, seats)
             room = max(0.0, limits.queue - waiting)
-    if state.seats:
+    if seats:
         inside = max(limits.seated_queue, _probe(limits)) if probe else limits.seated_queue
-        room = min(room, max(0.0, state.seats + inside - occupied(state)))
+        room = min(room, max(0.0, seats + inside - occupied(state)))
     if limits.in_flight:
         room = min(room, max(0.0, limits.in_flight - state.in_flight))
     return room
@@ -103,20 +106,22 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     others wait behind.
     """
     room = 0.0
-    seated: list[EndpointState] = []
+    seated: list[tuple[EndpointState, int]] = []
     for state in candidates:
-        if state.seats:
-            seated.append(state)
+        seats = slots(state.seats, state.metrics, limits.kv_cache)
+        if seats:
+            seated.append((state, seats))
         elif reserve > 0:
             room += min(headroom(state, limits), max(0, 1 - estimated_waiting(state, cautious=True)))
         else:
             room += headroom(state, limits)
     if seated:
-        seated_room = sum(headroom(state, limits, probe) for state in seated)
+        seated_room = sum(headroom(state, limits, probe) for state, _ in seated)
         if reserve > 0:
-            seats = sum(state.seats or 0 for state in seated)
-            kept = min(math.ceil(reserve * seats), seats - 1)  # never every seat: the class would starve
-            seated_room = min(seated_room, max(0, sum(free_seats(state) or 0 for state in seated) - kept))
+            total = sum(seats for _, seats in seated)
+            kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
+            free = sum(max(0, seats - occupied(state)) for state, seats in seated)
+            seated_room = min(seated_room, max(0, free - kept))
         room += seated_room
     return room
 
@@ -160,7 +165,8 @@ def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
 
     vLLM admits a request only when its blocks are free, so on a replica whose prompts are long its KV cache,
     not its seats, bounds what runs at once: the running sequences hold `kv_cache_usage` of the cache between
-    them, and `kv_full` of it holds kv_full / usage times as many (at least one).
+    them, and `kv_full` of it holds kv_full / usage times as many (at least one). Admission counts with it;
+    routing keeps to seats, since its cost model weighs a full KV cache itself (policies/cost.py).
     """
     if metrics.stale or metrics.scraped_at is None or metrics.running <= 0 or metrics.kv_cache_usage <= 0:
         return None

@@ -39,12 +39,11 @@ def _hot_spot_filter(config: RoutingConfig) -> BoundedLoadFilter:
 
 
 def placement_profile(config: RoutingConfig, recent: RecentRequests) -> SchedulingProfile:
-    """For a request whose own context no replica holds: a free seat when one exists (a request that can start
-    now beats one that waits, wherever its prefix would be placed), a share of recent requests under the bound,
-    no hot spot, lowest cost."""
+    """For a request whose own context no replica holds: a share of recent requests under the bound, no hot spot,
+    a free seat when one exists, lowest cost."""
     return SchedulingProfile(
-        filters=(FreeSeatFilter(), RecentShareFilter(recent, config.load_bound, config.load_slack),
-                 _hot_spot_filter(config)),
+        filters=(RecentShareFilter(recent, config.load_bound, config.load_slack),
+                 _hot_spot_filter(config), FreeSeatFilter()),
         picker=LowestCostPicker(RequestCost(config)),
     )
 

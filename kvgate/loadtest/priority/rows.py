@@ -22,10 +22,13 @@ class RowSpec:
     admission: bool = True
     upstream_priority: bool = True  # kvgate sets vLLM's `priority`; the replicas order their queue by it
     seats_learned: bool = False  # kvgate learns the replicas' max_num_seqs from /metrics instead of being told it
+    no_config: bool = False  # `kvgate serve --endpoints ...` and nothing else: kvgate's defaults, seats learned
     batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
 
     def gateway_flags(self, sim: SimOptions) -> list[str]:
         """`kvgate serve` flags of this row in front of replicas run with `sim`, besides listen and endpoints."""
+        if self.no_config:
+            return []
         flags = ["--policy", self.policy]
         if not self.admission:
             flags += NO_ADMISSION_FLAGS
@@ -52,5 +55,10 @@ SEATS_LEARNED = RowSpec("e", "as (a), with max_num_seqs learned from /metrics in
 BATCH_STREAMED = RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve",
                          batch_stream=True)
 
+NO_CONFIG_STREAMED = RowSpec("g", "kvgate with no configuration (defaults, seats learned, replicas first come "
+                             "first served), batch streamed", upstream_priority=False, no_config=True, batch_stream=True)
+NO_CONFIG_WHOLE = RowSpec("h", "kvgate with no configuration, batch reading whole answers", upstream_priority=False,
+                          no_config=True)
+
 ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, NO_UPSTREAM_PRIORITY, SEATS_LEARNED,
-                                 BATCH_STREAMED)}
+                                 BATCH_STREAMED, NO_CONFIG_STREAMED, NO_CONFIG_WHOLE)}
