@@ -70,5 +70,13 @@ def test_a_replica_whose_kv_cache_binds_takes_what_fits_not_what_its_unknown_sea
     long_prompts = EndpointState(Endpoint("a", "http://a:8000"),
                                  metrics=ReplicaMetrics(running=3, kv_cache_usage=0.6, scraped_at=1.0, stale=False))
     assert kv_slots(long_prompts.metrics, 0.8) == 4  # three sequences hold 60 %: four fit under 80 %
-    assert room_for([long_prompts], SaturationThresholds(), ClassStanding()) == 4 + 1 - 3  # one past, as learned
+    assert room_for([long_prompts], SaturationThresholds(), ClassStanding(yields=True)) == 4 - 3
     assert room_for([long_prompts], SaturationThresholds(), ClassStanding(reserve=0.25, yields=True)) == 0
+    assert room_for([long_prompts], SaturationThresholds(), ClassStanding()) == 5  # alone: its queue bound only
+
+
+def test_only_a_class_alone_sends_on_the_hope_that_a_replica_of_unknown_seats_has_room() -> None:
+    busy = EndpointState(Endpoint("a", "http://a:8000"), recent=3,
+                         metrics=ReplicaMetrics(running=20, scraped_at=1.0, stale=False))  # no queue at its scrape
+    assert room_for([busy], SaturationThresholds(queue=5), ClassStanding()) == 5  # the three sent since run
+    assert room_for([busy], SaturationThresholds(queue=5), ClassStanding(alone=False)) == 2  # they may be waiting

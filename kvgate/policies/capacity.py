@@ -74,7 +74,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     """
     room = float("inf")
     metrics = state.metrics
-    seats = slots(state.seats, metrics, limits.kv_cache)
+    seats = slots(state.seats, metrics, limits.kv_cache) if not probe else state.seats
     if metrics.scraped_at is not None:
         if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
@@ -108,13 +108,13 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
     for state in candidates:
-        seats = slots(state.seats, state.metrics, limits.kv_cache)
+        seats = slots(state.seats, state.metrics, limits.kv_cache) if reserve > 0 or not probe else state.seats
         if seats:
             seated.append((state, seats))
         elif reserve > 0:
-            room += min(headroom(state, limits), max(0, 1 - estimated_waiting(state, cautious=True)))
+            room += min(headroom(state, limits, probe), max(0, 1 - estimated_waiting(state, cautious=True)))
         else:
-            room += headroom(state, limits)
+            room += headroom(state, limits, probe)
     if seated:
         seated_room = sum(headroom(state, limits, probe) for state, _ in seated)
         if reserve > 0:
@@ -134,6 +134,7 @@ class ClassStanding:
     yields: bool = False  # a more important class sent traffic recently
     preemptible: bool = False  # it gives up its seat on demand
     may_preempt: bool = False  # it could take the seat of a less important request now
+    alone: bool = True  # no other class sent traffic recently: nobody's order depends on where it waits
 
     @property
     def kept_reserve(self) -> float:
@@ -142,8 +143,10 @@ class ClassStanding:
 
     @property
     def probes(self) -> bool:
-        """Whether it may be the one let past a learned seat count (headroom's `probe`)."""
-        return not self.yields and not self.may_preempt
+        """Whether it may be sent on the hope that a replica has room (headroom's `probe`): past a learned seat
+        count, or to a replica of unknown seats beyond what its last scrape showed. Only a class alone may: in a
+        mix of classes a request that waits inside a replica waits first come first served, so kvgate keeps it."""
+        return self.alone and not self.yields and not self.may_preempt
 
 
 def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding) -> float:
@@ -165,8 +168,9 @@ def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
 
     vLLM admits a request only when its blocks are free, so on a replica whose prompts are long its KV cache,
     not its seats, bounds what runs at once: the running sequences hold `kv_cache_usage` of the cache between
-    them, and `kv_full` of it holds kv_full / usage times as many (at least one). Admission counts with it;
-    routing keeps to seats, since its cost model weighs a full KV cache itself (policies/cost.py).
+    them, and `kv_full` of it holds kv_full / usage times as many (at least one). Admission counts with it for a
+    class that yields to a more important one (so that KV room is left for it); a class alone fills the cache
+    as the replica itself would, and routing keeps to seats, since its cost model weighs a full cache itself.
     """
     if metrics.stale or metrics.scraped_at is None or metrics.running <= 0 or metrics.kv_cache_usage <= 0:
         return None

@@ -156,7 +156,7 @@ class AdmissionQueue:
         """Whether the fleet takes one more request of class `rank`, besides those released and not yet sent."""
         standing = ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0),
                                  yields=self._yields(model, rank), preemptible=preemptible,
-                                 may_preempt=self._may_preempt(model, rank))
+                                 may_preempt=self._may_preempt(model, rank), alone=self._alone(model, rank))
         return self._room(model, standing) - self._pending[model] >= 1
 
     def _may_preempt(self, model: str, rank: int) -> bool:
@@ -172,6 +172,11 @@ class AdmissionQueue:
         top = next(rank for rank, queue in enumerate(queues) if queue)
         if self._may_preempt(model, top) and len(queues[top]) > self._preemption.freeing(model):
             self._preemption.preempt(model, top)
+
+    def _alone(self, model: str, rank: int) -> bool:
+        """Whether no class but `rank` sent a request of `model` within `reserve_idle_s`."""
+        recent = self._clock() - self._config.reserve_idle_s
+        return not any(seen > recent for other, seen in enumerate(self._last_seen.get(model, ())) if other != rank)
 
     def _yields(self, model: str, rank: int) -> bool:
         """Whether a class more important than `rank` sent a request of `model` within `reserve_idle_s`."""
