@@ -73,6 +73,7 @@ def test_a_replica_whose_kv_cache_binds_takes_what_fits_not_what_its_unknown_sea
     assert room_for([long_prompts], SaturationThresholds(), ClassStanding(yields=True)) == 4 - 3
     assert room_for([long_prompts], SaturationThresholds(), ClassStanding(reserve=0.25, yields=True)) == 0
     assert room_for([long_prompts], SaturationThresholds(), ClassStanding()) == 5  # alone: its queue bound only
+    assert room_for([long_prompts], SaturationThresholds(), ClassStanding(alone=False)) == 5  # the top class fills it
 
 
 def test_only_a_class_alone_sends_on_the_hope_that_a_replica_of_unknown_seats_has_room() -> None:

@@ -59,7 +59,7 @@ def free_seats(state: EndpointState) -> int | None:
     return None if not state.seats else max(0, state.seats - occupied(state))
 
 
-def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True) -> float:
+def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, kv_bound: bool = False) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
     Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
@@ -71,10 +71,11 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     let past a learned seat count (_probe), so that it never waits in a replica's queue unless `seated_queue`
     allows it, and counts every request sent since the scrape to a replica of unknown seats as waiting: only
     a request that nobody more important waits behind is let into a replica on the hope that it has room.
+    `kv_bound` also counts what the replica's KV cache holds at once (kv_slots), for a class that leaves room.
     """
     room = float("inf")
     metrics = state.metrics
-    seats = slots(state.seats, metrics, limits.kv_cache) if not probe else state.seats
+    seats = slots(state.seats, metrics, limits.kv_cache) if kv_bound else state.seats
     if metrics.scraped_at is not None:
         if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
@@ -96,27 +97,27 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   probe: bool = True) -> float:
+                   probe: bool = True, kv_bound: bool = False) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats that must stay free for more important classes,
     pooled over the fleet because a request that needs a seat is routed to whichever replica has one.
-    `probe` is headroom()'s. A class keeping a reserve sends a replica whose seats are unknown one request
+    `probe` and `kv_bound` are headroom()'s. A class keeping a reserve sends a replica whose seats are unknown one request
     at a time past its last scraped queue: enough to fill it and show its seat count, never a queue that
     others wait behind.
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
     for state in candidates:
-        seats = slots(state.seats, state.metrics, limits.kv_cache) if reserve > 0 or not probe else state.seats
+        seats = slots(state.seats, state.metrics, limits.kv_cache) if kv_bound else state.seats
         if seats:
             seated.append((state, seats))
         elif reserve > 0:
-            room += min(headroom(state, limits, probe), max(0, 1 - estimated_waiting(state, cautious=True)))
+            room += min(headroom(state, limits, probe, kv_bound), max(0, 1 - estimated_waiting(state, cautious=True)))
         else:
-            room += headroom(state, limits, probe)
+            room += headroom(state, limits, probe, kv_bound)
     if seated:
-        seated_room = sum(headroom(state, limits, probe) for state, _ in seated)
+        seated_room = sum(headroom(state, limits, probe, kv_bound) for state, _ in seated)
         if reserve > 0:
             total = sum(seats for _, seats in seated)
             kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
@@ -160,7 +161,7 @@ def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, 
     """
     if not candidates:
         return float("inf")
-    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes)
+    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, kv_bound=standing.yields)
 
 
 def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
