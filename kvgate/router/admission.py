@@ -154,9 +154,12 @@ class AdmissionQueue:
 
     def _has_room(self, model: str, rank: int, preemptible: bool) -> bool:
         """Whether the fleet takes one more request of class `rank`, besides those released and not yet sent."""
-        standing = ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0),
-                                 yields=self._yields(model, rank), preemptible=preemptible,
-                                 may_preempt=self._may_preempt(model, rank), alone=self._alone(model, rank))
+        yields, alone = self._yields(model, rank), self._alone(model, rank)
+        # Whether it may preempt matters only to a class that would probe (alone, yielding to none): ask only then,
+        # since it walks every replica's preemptible requests.
+        standing = ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0), yields=yields,
+                                 preemptible=preemptible, alone=alone,
+                                 may_preempt=alone and not yields and self._may_preempt(model, rank))
         return self._room(model, standing) - self._pending[model] >= 1
 
     def _may_preempt(self, model: str, rank: int) -> bool:
