@@ -81,3 +81,16 @@ def test_only_a_class_alone_sends_on_the_hope_that_a_replica_of_unknown_seats_ha
                          metrics=ReplicaMetrics(running=20, scraped_at=1.0, stale=False))  # no queue at its scrape
     assert room_for([busy], SaturationThresholds(queue=5), ClassStanding()) == 5  # the three sent since run
     assert room_for([busy], SaturationThresholds(queue=5), ClassStanding(alone=False)) == 2  # they may be waiting
+
+
+def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what_it_runs_per_scrape() -> None:
+    # Fifteen running in 6 % of the KV cache: the cache would hold 200, but the seats, unknown, may be 16.
+    metrics = ReplicaMetrics(running=15, kv_cache_usage=0.06, scraped_at=1.0, stale=False)
+    idle_cache = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics)
+    assert room_for([idle_cache], SaturationThresholds(), ClassStanding(yields=True)) == 2  # a tenth of 15, rounded up
+    sent_since = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=2)
+    assert room_for([sent_since], SaturationThresholds(), ClassStanding(yields=True)) == 0  # grown by a step already
+    assert room_for([sent_since], SaturationThresholds(), ClassStanding(alone=False)) == 3  # the top class: its queue
+    queued = EndpointState(Endpoint("a", "http://a:8000"), metrics=ReplicaMetrics(running=15, waiting=1,
+                                                                                  scraped_at=1.0, stale=False))
+    assert room_for([queued], SaturationThresholds(), ClassStanding(yields=True)) == 0

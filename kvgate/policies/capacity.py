@@ -15,6 +15,8 @@ from typing import Protocol, TypeVar
 
 from kvgate.endpoints.types import EndpointState, ReplicaMetrics
 
+_GROWTH = 0.1  # share of its running count a replica of unknown seats may gain per scrape (growth_step)
+
 
 @dataclass(frozen=True)
 class SaturationThresholds:
@@ -97,27 +99,25 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   probe: bool = True, kv_bound: bool = False) -> float:
+                   probe: bool = True, yields: bool = False) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats that must stay free for more important classes,
     pooled over the fleet because a request that needs a seat is routed to whichever replica has one.
-    `probe` and `kv_bound` are headroom()'s. A class keeping a reserve sends a replica whose seats are unknown one request
-    at a time past its last scraped queue: enough to fill it and show its seat count, never a queue that
-    others wait behind.
+    `probe` is headroom()'s. A class that `yields` to a more important one counts what a replica's KV cache
+    holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
+    past its last scrape, so that its requests never make a queue that others wait behind.
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
     for state in candidates:
-        seats = slots(state.seats, state.metrics, limits.kv_cache) if kv_bound else state.seats
+        seats = slots(state.seats, state.metrics, limits.kv_cache) if yields else state.seats
         if seats:
             seated.append((state, seats))
-        elif reserve > 0:
-            room += min(headroom(state, limits, probe, kv_bound), max(0, 1 - estimated_waiting(state, cautious=True)))
         else:
-            room += headroom(state, limits, probe, kv_bound)
+            room += _room_on(state, limits, probe, yields)
     if seated:
-        seated_room = sum(headroom(state, limits, probe, kv_bound) for state, _ in seated)
+        seated_room = sum(_room_on(state, limits, probe, yields) for state, _ in seated)
         if reserve > 0:
             total = sum(seats for _, seats in seated)
             kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
@@ -125,6 +125,32 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
             seated_room = min(seated_room, max(0, free - kept))
         room += seated_room
     return room
+
+
+def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding) -> bool:
+    """Whether one replica takes one more request of a class so standing, its reserve aside."""
+    return _room_on(state, limits, standing.probes, standing.yields) >= 1
+
+
+def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool) -> float:
+    """headroom() of one replica; for a class that yields, while the replica's seats are unknown, at most
+    growth_step() past its last scrape (and `seated_queue` more, as for a replica whose seats are known)."""
+    room = headroom(state, limits, probe, kv_bound=yields)
+    metrics = state.metrics
+    if not yields or state.seats or metrics.scraped_at is None:
+        return room
+    if metrics.waiting:  # it is full: only what may wait inside a replica (seated_queue) goes on
+        allowed = limits.seated_queue - metrics.waiting - state.recent
+    else:
+        allowed = growth_step(metrics) + limits.seated_queue - state.recent
+    return min(room, max(0, allowed))
+
+
+def growth_step(metrics: ReplicaMetrics) -> int:
+    """Requests a replica of unknown seats may gain between two scrapes that show no queue: a tenth of what it
+    runs, at least one. Its seats are learned only once it is full, so it must fill; growing by a share of
+    itself fills a large replica in a few scrapes and leaves at most that share waiting inside it when full."""
+    return max(1, math.ceil(_GROWTH * metrics.running))
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +187,7 @@ def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, 
     """
     if not candidates:
         return float("inf")
-    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, kv_bound=standing.yields)
+    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, yields=standing.yields)
 
 
 def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
