@@ -25,19 +25,24 @@ from typing import Any
 import aiohttp
 import orjson
 
+from kvgate.loadtest.kit.counters import read_stats, reset_stats
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
 from kvgate.loadtest.kit.processes import HOST, ChildProcess, free_ports, start_gateway, start_sim_fleet, start_stub
-from kvgate.loadtest.kit.replicas import read_stats, reset_stats
 from kvgate.loadtest.kit.report import publish
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
 from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
 from kvgate.loadtest.routing.client import ConversationDriver
-from kvgate.loadtest.routing.results import EXTERNAL, KVGATE, RowPlan, RowRun
-from kvgate.loadtest.routing.sizing import Footprint, fleet_options
-from kvgate.loadtest.routing.summary import summarise_row
-from kvgate.loadtest.routing.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, WorkloadSpec, build_conversations
+from kvgate.loadtest.routing.report import EXTERNAL, KVGATE, RowPlan, RowRun, summarise_row
+from kvgate.loadtest.routing.workload import (
+    DEFAULT_WORKLOAD,
+    QUICK_WORKLOAD,
+    Footprint,
+    WorkloadSpec,
+    build_conversations,
+    fleet_options,
+)
 from kvgate.simulator import SimOptions
 
 PROXY, ENVOY = "kvgate proxy", "Envoy round-robin"

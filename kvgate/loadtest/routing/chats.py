@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from kvgate.loadtest.routing.loads import ChatLoad
+from kvgate.loadtest.routing.client import ChatLoad
 from kvgate.loadtest.routing.scenario import add_router_arguments, add_workload_arguments, run_loads, workload
 from kvgate.loadtest.routing.workload import CHAT_UNIFORM, CHAT_ZIPF, QUICK_CHATS
 

@@ -27,7 +27,7 @@ from kvgate.loadtest.kit.processes import ProcessError
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import OnSample
 from kvgate.loadtest.routing.scenario import add_router_arguments, run_loads
-from kvgate.loadtest.routing.sizing import Footprint
+from kvgate.loadtest.routing.workload import Footprint
 
 # inference-perf's generated words average about six characters per token of a WordPiece tokenizer such as
 # MiniLM's; the simulator counts four characters a token (measured: 773 simulated tokens for 500 requested).

@@ -12,12 +12,18 @@ from pathlib import Path
 
 import aiohttp
 
-from kvgate.loadtest.kit.gateway_metrics import read_decisions, wait_kv_events
+from kvgate.loadtest.kit.counters import (
+    LoadSampler,
+    ReplicaProbe,
+    RunningFleet,
+    SimProbe,
+    read_decisions,
+    wait_kv_events,
+)
 from kvgate.loadtest.kit.processes import ProcessError, start_external, start_gateway, start_sim_fleet, stopping
-from kvgate.loadtest.kit.replicas import LoadSampler, ReplicaProbe, RunningFleet, SimProbe
 from kvgate.loadtest.kit.stream import RequestSample
-from kvgate.loadtest.routing.loads import ChatLoad, Load
-from kvgate.loadtest.routing.results import (
+from kvgate.loadtest.routing.client import ChatLoad, Load
+from kvgate.loadtest.routing.report import (
     BASELINE_POLICY,
     EXTERNAL,
     KVGATE,
@@ -27,8 +33,8 @@ from kvgate.loadtest.routing.results import (
     RowRun,
     ScenarioRun,
 )
-from kvgate.loadtest.routing.sizing import fleet_options, oracle_options, pressure_oracle_options
 from kvgate.loadtest.routing.vllm_fleet import VllmProbe, vllm_fleet
+from kvgate.loadtest.routing.workload import fleet_options, oracle_options, pressure_oracle_options
 from kvgate.simulator import SimOptions
 
 log = logging.getLogger(__name__)

@@ -13,12 +13,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvgate.loadtest.kit.report import BadOption, publish, utc_now
-from kvgate.loadtest.routing.loads import ChatLoad, Load
+from kvgate.loadtest.routing.client import ChatLoad, Load
 from kvgate.loadtest.routing.plots import plot_replica_load, plot_ttft_cdf
-from kvgate.loadtest.routing.report import BenchReport, ScenarioReport, machine_info, render_markdown, update_docs
-from kvgate.loadtest.routing.results import ScenarioRun
+from kvgate.loadtest.routing.report import (
+    BenchReport,
+    ScenarioReport,
+    ScenarioRun,
+    machine_info,
+    render_markdown,
+    summarise_scenario,
+    update_docs,
+)
 from kvgate.loadtest.routing.runner import BenchSettings, run_bench
-from kvgate.loadtest.routing.summary import summarise_scenario
 from kvgate.loadtest.routing.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, SKEWS, WorkloadSpec
 from kvgate.simulator import SimOptions
 

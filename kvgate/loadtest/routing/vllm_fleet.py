@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.loadtest.kit.counters import RunningFleet
 from kvgate.loadtest.kit.processes import free_ports
-from kvgate.loadtest.kit.replicas import RunningFleet
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.kit.vllm_engine import EngineSpec, VllmEngine, start_engines
 from kvgate.loadtest.routing.workload import PrefixFootprint, WorkloadSpec, system_prompt, user_message

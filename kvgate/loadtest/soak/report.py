@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import psutil
 
 matplotlib.use("Agg")  # headless: the plot goes to a file
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvgate.loadtest.soak.summary import FLAT_GROWTH, FLAT_SLOPE_MB_PER_MIN  # noqa: E402
+# Memory counts as flat when, after warm-up, it grows slower than this and ends within this factor of its level then.
+FLAT_SLOPE_MB_PER_MIN = 1.0
+FLAT_GROWTH = 1.2
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -111,3 +118,86 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Plot of RSS and descriptors over time: `{meta['plot']}` (written by each run, not kept in git).",
     ]
     return "\n".join(lines) + "\n"
+
+
+def after_warmup(samples: Sequence[ResourceSample], warmup_s: float, load_end_s: float) -> list[ResourceSample]:
+    """The samples taken under load once warm-up was over (the later half of the load when too few remain)."""
+    loaded = [s for s in samples if s.t <= load_end_s]
+    steady = [s for s in loaded if s.t >= warmup_s]
+    return steady if len(steady) >= 3 else loaded[len(loaded) // 2:]
+
+
+def memory_summary(samples: Sequence[ResourceSample], warmup_s: float, load_end_s: float) -> dict[str, Any]:
+    """RSS first/min/max/last, its level at warm-up end, its least-squares slope after warm-up, and the verdict."""
+    rss = [s.rss_mb for s in samples]
+    steady = after_warmup(samples, warmup_s, load_end_s)
+    slope = statistics.linear_regression([s.t / 60 for s in steady], [s.rss_mb for s in steady]).slope \
+        if len(steady) >= 2 and steady[-1].t > steady[0].t else 0.0
+    at_warmup = steady[0].rss_mb if steady else rss[0]
+    end_of_load = steady[-1].rss_mb if steady else rss[-1]
+    return {"first_mb": rss[0], "min_mb": min(rss), "max_mb": max(rss), "last_mb": rss[-1],
+            "warmup_end_s": steady[0].t if steady else 0.0, "at_warmup_end_mb": at_warmup,
+            "end_of_load_mb": end_of_load, "slope_mb_per_min": round(slope, 3),
+            "flat": slope < FLAT_SLOPE_MB_PER_MIN and end_of_load <= FLAT_GROWTH * at_warmup}
+
+
+def fd_summary(samples: Sequence[ResourceSample], baseline: ResourceSample, load_end_s: float) -> dict[str, Any]:
+    """Open descriptors before the load, their range under it, at its end, and after the settling time."""
+    loaded = [s.fds for s in samples if s.t <= load_end_s]
+    return {"before_load": baseline.fds, "min": min(loaded), "max": max(loaded), "end_of_load": loaded[-1],
+            "after_settle": samples[-1].fds}
+
+
+def cpu_summary(samples: Sequence[ResourceSample], load_end_s: float) -> dict[str, float]:
+    """kvgate's CPU (share of one core) under the load: mean and highest sample."""
+    loaded = [s.cpu for s in samples[1:] if s.t <= load_end_s] or [0.0]
+    return {"mean": round(statistics.fmean(loaded), 3), "max": max(loaded)}
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceSample:
+    """One reading of a process; `t` in seconds since sampling began."""
+
+    t: float
+    rss_mb: float
+    fds: int
+    cpu: float  # share of one core used since the previous sample
+
+    def to_json(self) -> dict:
+        """A JSON-ready dict."""
+        return asdict(self)
+
+
+class ProcessSampler:
+    """Reads RSS (VmRSS), the open-descriptor count and CPU time of one process every `interval` seconds."""
+
+    def __init__(self, pid: int, interval: float) -> None:
+        self._process = psutil.Process(pid)
+        self._interval = interval
+        self.samples: list[ResourceSample] = []
+
+    def sample(self, t: float, cpu: float) -> ResourceSample:
+        """Read the process now."""
+        with self._process.oneshot():
+            reading = ResourceSample(t=round(t, 2), rss_mb=round(self._process.memory_info().rss / 2**20, 2),
+                                     fds=self._process.num_fds(), cpu=round(cpu, 3))
+        return reading
+
+    async def run(self, seconds: float) -> None:
+        """Sample until `seconds` have passed or the task is cancelled (the process exiting ends it too)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        last_wall, last_cpu = start, self._cpu_seconds()
+        try:
+            while loop.time() - start <= seconds:
+                now, cpu_seconds = loop.time(), self._cpu_seconds()
+                busy = (cpu_seconds - last_cpu) / (now - last_wall) if now > last_wall else 0.0
+                self.samples.append(self.sample(now - start, busy))
+                last_wall, last_cpu = now, cpu_seconds
+                await asyncio.sleep(self._interval)
+        except psutil.NoSuchProcess:
+            return
+
+    def _cpu_seconds(self) -> float:
+        times = self._process.cpu_times()
+        return times.user + times.system

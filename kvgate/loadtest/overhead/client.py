@@ -1,14 +1,13 @@
-"""The Python load generator (aiohttp on uvloop), run in its own process; prints one LoadResult as JSON.
-
-Run by the overhead scenario as: python -m kvgate.loadtest.overhead.pyclient '{"url": "http://127.0.0.1:9001", "concurrency": 32}'
-"""
+"""Chat request bodies of an exact size, distinct after a shared system prompt like real traffic."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import sys
 import time
+from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -17,8 +16,78 @@ import uvloop
 from kvgate.loadtest.kit.processes import process_cpu_seconds
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
-from kvgate.loadtest.overhead.bodies import chat_bodies
-from kvgate.loadtest.overhead.load import LoadResult, LoadSpec
+from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
+
+_SYSTEM = "You are a careful assistant. Answer briefly and cite the documents you were given."
+_WORDS = "the quick brown fox jumps over the lazy dog "
+
+
+def chat_bodies(size_bytes: int, count: int, stream: bool) -> list[bytes]:
+    """`count` chat bodies of `size_bytes` bytes each; each user message starts with its own number."""
+    bodies = []
+    for n in range(count):
+        body = {"model": DEFAULT_MODEL, "stream": stream, "max_tokens": 16,
+                "messages": [{"role": "system", "content": _SYSTEM}, {"role": "user", "content": ""}]}
+        room = size_bytes - len(orjson.dumps(body))
+        text = f"request {n}: " + _WORDS * (room // len(_WORDS) + 1)
+        body["messages"][1]["content"] = text[:max(room, 0)]
+        bodies.append(orjson.dumps(body))
+    return bodies
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One load run against one base URL: closed loop at `concurrency`, or open loop at `rate` req/s."""
+
+    url: str
+    body_bytes: int = 4096
+    stream: bool = False
+    chunks: int = 16  # SSE events per streamed answer
+    chunk_interval_ms: float = 0.0
+    concurrency: int = 32
+    rate: float = 0.0  # > 0: open loop, requests sent on schedule whatever the answers do
+    duration_s: float = 5.0
+    max_requests: int = 0  # > 0: stop after this many measured requests
+    warmup_s: float = 0.5  # requests started in this first stretch are not measured
+    variants: int = 256  # distinct bodies cycled through
+    watch: tuple[tuple[str, int], ...] = ()  # (name, pid) of processes whose CPU to charge over the measured stretch
+
+    def headers(self) -> dict[str, str]:
+        """Request headers, including the stub's streaming knobs (which kvgate forwards unchanged)."""
+        return {"Content-Type": "application/json", "x-bench-chunks": str(self.chunks),
+                "x-bench-chunk-interval-ms": str(self.chunk_interval_ms)}
+
+    def to_json(self) -> dict:
+        """The spec as plain JSON."""
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Throughput, latency and failures of one run, as seen by the client."""
+
+    generator: str
+    requests: int
+    errors: int
+    duration_s: float
+    p50_ms: float
+    p99_ms: float
+    first_error: str = ""
+    busy: dict[str, float] = field(default_factory=dict)  # CPU seconds per wall second, by process name
+
+    @property
+    def rps(self) -> float:
+        """Completed requests per second over the measured stretch."""
+        return self.requests / self.duration_s if self.duration_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        """The result as plain JSON, with the derived rate."""
+        return {**dataclasses.asdict(self), "rps": round(self.rps, 1)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> LoadResult:
+        """Rebuild a result from `to_json` output."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
 
 class _Tally:

@@ -1,15 +1,17 @@
-"""The rig (stub replicas + kvgate, pinned) and the measurements taken on it: direct vs through kvgate.
-
-The load generators run as blocking subprocesses: nothing else runs on the event loop meanwhile.
-"""
+"""Closed-loop load with wrk (C, one thread), which leaves far more CPU to the processes under test."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -18,9 +20,133 @@ from pathlib import Path
 import orjson
 
 from kvgate.loadtest.kit.processes import ChildProcess, cpu_layout, pinned, start_gateway, start_stub, stopping
-from kvgate.loadtest.overhead.load import LoadResult, LoadSpec
-from kvgate.loadtest.overhead.profile import Profile, Recorder
-from kvgate.loadtest.overhead.wrk import run_wrk
+from kvgate.loadtest.kit.stream import CHAT_PATH
+from kvgate.loadtest.overhead.client import LoadResult, LoadSpec, chat_bodies
+
+_RESULT_PREFIX = "WRK_RESULT "
+# Cycles through the bodies file (one JSON body a line) and prints the summary as one JSON line.
+_SCRIPT = """
+wrk.method = "POST"
+{headers}
+local bodies, n = {{}}, 0
+for line in io.lines([[{bodies}]]) do bodies[#bodies + 1] = line end
+request = function()
+  n = n % #bodies + 1
+  return wrk.format(nil, nil, nil, bodies[n])
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format('{prefix}{{"requests": %d, "duration_us": %d, "errors": %d, "p50_us": %d, "p99_us": %d}}\\n',
+    summary.requests - e.status, summary.duration, e.connect + e.read + e.write + e.timeout + e.status,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+def wrk_available() -> bool:
+    """Whether a wrk binary is on PATH."""
+    return shutil.which("wrk") is not None
+
+
+def _script(spec: LoadSpec, folder: Path) -> Path:
+    bodies = folder / "bodies.jsonl"
+    bodies.write_bytes(b"\n".join(chat_bodies(spec.body_bytes, spec.variants, spec.stream)) + b"\n")
+    headers = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in spec.headers().items())
+    script = folder / "chat.lua"
+    script.write_text(_SCRIPT.format(headers=headers, bodies=bodies, prefix=_RESULT_PREFIX))
+    return script
+
+
+def run_wrk(spec: LoadSpec, cpu: int | None = None) -> LoadResult:
+    """Run wrk for `duration_s` (whole seconds, at least one) of the spec's closed loop; `cpu` pins it.
+
+    The spec's warm-up and `watch` are the caller's business: wrk knows nothing of them.
+    """
+    if spec.rate or spec.max_requests:
+        raise ValueError("wrk runs only duration-bound closed loops")
+    seconds = max(1, math.ceil(spec.duration_s))
+    with tempfile.TemporaryDirectory(prefix="kvgate-wrk-") as tmp:
+        command = pinned(["wrk", "-t1", f"-c{spec.concurrency}", f"-d{seconds}s", "--timeout", "30s",
+                          "-s", str(_script(spec, Path(tmp))), spec.url + CHAT_PATH], cpu)
+        output = subprocess.run(command, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
+    line = next((ln for ln in output.splitlines() if ln.startswith(_RESULT_PREFIX)), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no summary: {output[-500:]}")
+    data = json.loads(line[len(_RESULT_PREFIX):])
+    return LoadResult(generator="wrk", requests=data["requests"], errors=data["errors"],
+                      duration_s=round(data["duration_us"] / 1e6, 3), p50_ms=data["p50_us"] / 1000,
+                      p99_ms=data["p99_us"] / 1000, first_error="see wrk" if data["errors"] else "")
+
+
+KVGATE_PACKAGES = ("kvgate/router/", "kvgate/endpoints/", "kvgate/policies/")
+_ENTRY = "(kvgate/router/cli.py)"  # the process's entry frames, on every stack
+OUTSIDE_KVGATE = "event loop / aiohttp, no kvgate frame"
+
+
+def py_spy_path() -> str | None:
+    """py-spy next to this interpreter (a venv install) or on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return str(beside) if beside.exists() else shutil.which("py-spy")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Busy samples of one process: the functions they were in (self), and the kvgate function that caused them."""
+
+    samples: int
+    top_self: list[tuple[str, float]]  # (function (file), share of busy samples)
+    top_kvgate: list[tuple[str, float]]  # deepest kvgate frame of each sample, libraries it calls included
+
+    def to_json(self) -> dict:
+        """The profile as plain JSON."""
+        return {"samples": self.samples, "top_self": self.top_self, "top_by_kvgate_caller": self.top_kvgate}
+
+
+def _deepest_kvgate_frame(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        if _ENTRY not in frame and any(f"({package}" in frame for package in KVGATE_PACKAGES):
+            return frame
+    return OUTSIDE_KVGATE
+
+
+def summarize(raw: str, top: int = 8) -> Profile:
+    """Aggregate py-spy's raw (collapsed-stack) output: `frame;frame;... count` per line."""
+    own: Counter[str] = Counter()
+    caller: Counter[str] = Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        total += count
+        own[frames[-1]] += count
+        caller[_deepest_kvgate_frame(frames)] += count
+
+    def shares(counter: Counter[str]) -> list[tuple[str, float]]:
+        return [(frame, round(n / total, 3)) for frame, n in counter.most_common(top)] if total else []
+
+    return Profile(samples=total, top_self=shares(own), top_kvgate=shares(caller))
+
+
+class Recorder:
+    """A py-spy recording of `pid` running in the background for `duration_s` seconds."""
+
+    def __init__(self, py_spy: str, pid: int, duration_s: float, output: Path, cpu: int | None) -> None:
+        self._output = output
+        command = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))),
+                   "--format", "raw", "--nolineno", "--rate", "200", "--output", str(output)]
+        self._process = subprocess.Popen(pinned(command, cpu), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    def finish(self) -> Profile | None:
+        """Wait for py-spy and summarize; None when it could not sample (e.g. no ptrace permission)."""
+        _, stderr = self._process.communicate(timeout=120)
+        if self._process.returncode != 0 or not self._output.exists():
+            print(f"py-spy failed: {stderr.decode(errors='replace')[-300:]}", file=sys.stderr)
+            return None
+        return summarize(self._output.read_text())
+
 
 BUSY = 0.85  # a process using this share of its core or more is what bounds a run
 
@@ -147,7 +273,7 @@ class Rig:
         """The Python generator in its own process; it charges CPU over its own measured stretch."""
         assert self.kvgate.pid is not None and self.stub.pid is not None, "the rig is stopped"
         spec = dataclasses.replace(spec, watch=(("kvgate", self.kvgate.pid), ("stub", self.stub.pid)))
-        command = pinned([sys.executable, "-m", "kvgate.loadtest.overhead.pyclient",
+        command = pinned([sys.executable, "-m", "kvgate.loadtest.overhead.client",
                           orjson.dumps(spec.to_json()).decode()], self.other_cpu)
         done = subprocess.run(command, capture_output=True, text=True, check=True,
                               timeout=spec.warmup_s + spec.duration_s + 120)
