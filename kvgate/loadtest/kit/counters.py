@@ -1,10 +1,11 @@
-"""Reading a kvgate gateway's own counters from its /metrics: what it decided during a benchmark run."""
+"""What a benchmark reads while it runs: a gateway's own metrics, the replicas' counters, samples over time."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -96,15 +97,30 @@ class ReplicaProbe(Protocol):
 
 
 class SimProbe:
-    """The simulator's exact counters."""
+    """The simulator's exact counters: `POST /sim/reset` and `GET /sim/stats` on every replica."""
 
-    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
-        """`POST /sim/reset` on every replica."""
-        await reset_stats(session, urls)
+    reset = staticmethod(reset_stats)
+    stats = staticmethod(read_stats)
 
-    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
-        """Every replica's `/sim/stats`."""
-        return await read_stats(session, urls)
+
+@asynccontextmanager
+async def sampling(interval: float, sample: Callable[[], Awaitable[object]]) -> AsyncIterator[None]:
+    """Await `sample()` every `interval` seconds while the block runs; one that fails on I/O is skipped."""
+
+    async def every_interval() -> None:
+        while True:
+            try:
+                await sample()
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # a missed sample leaves a gap in the plot, not a failed benchmark
+            await asyncio.sleep(interval)
+
+    task = asyncio.create_task(every_interval())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 @dataclass(slots=True)
@@ -115,35 +131,19 @@ class LoadSeries:
     per_replica: list[list[int]] = field(default_factory=list)  # [replica][sample]
 
 
-class LoadSampler:
-    """Samples every replica's running + waiting sequences at a fixed interval while it runs."""
+@asynccontextmanager
+async def sampling_load(session: aiohttp.ClientSession, urls: Sequence[str],
+                        probe: ReplicaProbe) -> AsyncIterator[LoadSeries]:
+    """Every replica's running + waiting sequences, sampled at a fixed interval while the block runs."""
+    series = LoadSeries(per_replica=[[] for _ in urls])
+    loop = asyncio.get_running_loop()
+    start = loop.time()
 
-    def __init__(self, session: aiohttp.ClientSession, urls: Sequence[str], probe: ReplicaProbe) -> None:
-        self._session = session
-        self._urls = list(urls)
-        self._probe = probe
-        self.series = LoadSeries(per_replica=[[] for _ in self._urls])
-        self._task: asyncio.Task[None] | None = None
+    async def sample() -> None:
+        stats = await probe.stats(session, urls)
+        series.times.append(loop.time() - start)
+        for load, replica in zip(series.per_replica, stats, strict=True):
+            load.append(int(replica["running"]) + int(replica["waiting"]))
 
-    async def __aenter__(self) -> LoadSampler:
-        self._task = asyncio.create_task(self._sample())
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-
-    async def _sample(self) -> None:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        while True:
-            try:
-                stats = await self._probe.stats(self._session, self._urls)
-            except (aiohttp.ClientError, TimeoutError):
-                stats = None  # a missed sample leaves a gap in the plot, not a failed benchmark
-            if stats is not None:
-                self.series.times.append(loop.time() - start)
-                for load, replica in zip(self.series.per_replica, stats, strict=True):
-                    load.append(int(replica["running"]) + int(replica["waiting"]))
-            await asyncio.sleep(SAMPLE_INTERVAL_SECONDS)
+    async with sampling(SAMPLE_INTERVAL_SECONDS, sample):
+        yield series

@@ -24,3 +24,8 @@ def spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
     if not measured:
         return None
     return statistics.median(measured), min(measured), max(measured)
+
+
+def ms(seconds: Iterable[float], q: float, digits: int = 1) -> float:
+    """The q-th percentile of times in seconds, in milliseconds rounded to `digits`; 0 for no values."""
+    return round((percentile(seconds, q) or 0.0) * 1000, digits)

@@ -1,4 +1,6 @@
-"""Closed-loop load with wrk (C, one thread), which leaves far more CPU to the processes under test."""
+"""The overhead rig (stub replicas + kvgate, pinned) and what is measured on it: direct vs through kvgate, CPU per
+streamed chunk, and where kvgate's CPU goes (py-spy). The load generators run as blocking subprocesses: nothing
+else runs on the event loop meanwhile."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -23,9 +25,13 @@ from kvgate.loadtest.kit.processes import ChildProcess, cpu_layout, pinned, star
 from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.overhead.client import LoadResult, LoadSpec, chat_bodies
 
-_RESULT_PREFIX = "WRK_RESULT "
+BUSY = 0.85  # a process using this share of its core or more is what bounds a run
+KVGATE_PACKAGES = ("kvgate/router/", "kvgate/endpoints/", "kvgate/policies/")
+_ENTRY = "(kvgate/router/cli.py)"  # the process's entry frames, on every stack
+OUTSIDE_KVGATE = "event loop / aiohttp, no kvgate frame"
+_WRK_PREFIX = "WRK_RESULT "
 # Cycles through the bodies file (one JSON body a line) and prints the summary as one JSON line.
-_SCRIPT = """
+_WRK_SCRIPT = """
 wrk.method = "POST"
 {headers}
 local bodies, n = {{}}, 0
@@ -44,43 +50,31 @@ end
 
 
 def wrk_available() -> bool:
-    """Whether a wrk binary is on PATH."""
+    """Whether a wrk binary (C, one thread: far more CPU left to the processes under test) is on PATH."""
     return shutil.which("wrk") is not None
 
 
-def _script(spec: LoadSpec, folder: Path) -> Path:
-    bodies = folder / "bodies.jsonl"
-    bodies.write_bytes(b"\n".join(chat_bodies(spec.body_bytes, spec.variants, spec.stream)) + b"\n")
-    headers = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in spec.headers().items())
-    script = folder / "chat.lua"
-    script.write_text(_SCRIPT.format(headers=headers, bodies=bodies, prefix=_RESULT_PREFIX))
-    return script
-
-
 def run_wrk(spec: LoadSpec, cpu: int | None = None) -> LoadResult:
-    """Run wrk for `duration_s` (whole seconds, at least one) of the spec's closed loop; `cpu` pins it.
-
-    The spec's warm-up and `watch` are the caller's business: wrk knows nothing of them.
-    """
+    """wrk for `duration_s` (whole seconds, at least one) of the spec's closed loop, pinned to `cpu`; the spec's
+    warm-up and `watch` are the caller's business."""
     if spec.rate or spec.max_requests:
         raise ValueError("wrk runs only duration-bound closed loops")
     seconds = max(1, math.ceil(spec.duration_s))
     with tempfile.TemporaryDirectory(prefix="kvgate-wrk-") as tmp:
+        bodies, script = Path(tmp) / "bodies.jsonl", Path(tmp) / "chat.lua"
+        bodies.write_bytes(b"\n".join(chat_bodies(spec.body_bytes, spec.variants, spec.stream)) + b"\n")
+        headers = "\n".join(f'wrk.headers["{name}"] = "{value}"' for name, value in spec.headers().items())
+        script.write_text(_WRK_SCRIPT.format(headers=headers, bodies=bodies, prefix=_WRK_PREFIX))
         command = pinned(["wrk", "-t1", f"-c{spec.concurrency}", f"-d{seconds}s", "--timeout", "30s",
-                          "-s", str(_script(spec, Path(tmp))), spec.url + CHAT_PATH], cpu)
+                          "-s", str(script), spec.url + CHAT_PATH], cpu)
         output = subprocess.run(command, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
-    line = next((ln for ln in output.splitlines() if ln.startswith(_RESULT_PREFIX)), None)
+    line = next((ln for ln in output.splitlines() if ln.startswith(_WRK_PREFIX)), None)
     if line is None:
         raise RuntimeError(f"wrk printed no summary: {output[-500:]}")
-    data = json.loads(line[len(_RESULT_PREFIX):])
+    data = json.loads(line[len(_WRK_PREFIX):])
     return LoadResult(generator="wrk", requests=data["requests"], errors=data["errors"],
                       duration_s=round(data["duration_us"] / 1e6, 3), p50_ms=data["p50_us"] / 1000,
                       p99_ms=data["p99_us"] / 1000, first_error="see wrk" if data["errors"] else "")
-
-
-KVGATE_PACKAGES = ("kvgate/router/", "kvgate/endpoints/", "kvgate/policies/")
-_ENTRY = "(kvgate/router/cli.py)"  # the process's entry frames, on every stack
-OUTSIDE_KVGATE = "event loop / aiohttp, no kvgate frame"
 
 
 def py_spy_path() -> str | None:
@@ -89,7 +83,7 @@ def py_spy_path() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Profile:
     """Busy samples of one process: the functions they were in (self), and the kvgate function that caused them."""
 
@@ -113,16 +107,13 @@ def summarize(raw: str, top: int = 8) -> Profile:
     """Aggregate py-spy's raw (collapsed-stack) output: `frame;frame;... count` per line."""
     own: Counter[str] = Counter()
     caller: Counter[str] = Counter()
-    total = 0
     for line in raw.splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        total += count
-        own[frames[-1]] += count
-        caller[_deepest_kvgate_frame(frames)] += count
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            frames = stack.split(";")
+            own[frames[-1]] += int(count)
+            caller[_deepest_kvgate_frame(frames)] += int(count)
+    total = own.total()
 
     def shares(counter: Counter[str]) -> list[tuple[str, float]]:
         return [(frame, round(n / total, 3)) for frame, n in counter.most_common(top)] if total else []
@@ -130,96 +121,9 @@ def summarize(raw: str, top: int = 8) -> Profile:
     return Profile(samples=total, top_self=shares(own), top_kvgate=shares(caller))
 
 
-class Recorder:
-    """A py-spy recording of `pid` running in the background for `duration_s` seconds."""
-
-    def __init__(self, py_spy: str, pid: int, duration_s: float, output: Path, cpu: int | None) -> None:
-        self._output = output
-        command = [py_spy, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))),
-                   "--format", "raw", "--nolineno", "--rate", "200", "--output", str(output)]
-        self._process = subprocess.Popen(pinned(command, cpu), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-    def finish(self) -> Profile | None:
-        """Wait for py-spy and summarize; None when it could not sample (e.g. no ptrace permission)."""
-        _, stderr = self._process.communicate(timeout=120)
-        if self._process.returncode != 0 or not self._output.exists():
-            print(f"py-spy failed: {stderr.decode(errors='replace')[-300:]}", file=sys.stderr)
-            return None
-        return summarize(self._output.read_text())
-
-
-BUSY = 0.85  # a process using this share of its core or more is what bounds a run
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The same load sent directly to a replica and through kvgate."""
-
-    name: str
-    spec: LoadSpec
-    direct: LoadResult
-    kvgate: LoadResult
-
-    @property
-    def errors(self) -> int:
-        """Failed requests in both runs."""
-        return self.direct.errors + self.kvgate.errors
-
-    @property
-    def rps_ratio(self) -> float:
-        """kvgate's throughput over the direct one (1.0: no loss)."""
-        return self.kvgate.rps / self.direct.rps if self.direct.rps else 0.0
-
-    @property
-    def added_p50_ms(self) -> float:
-        """Median latency kvgate adds."""
-        return self.kvgate.p50_ms - self.direct.p50_ms
-
-    @property
-    def added_p99_ms(self) -> float:
-        """99th-percentile latency kvgate adds."""
-        return self.kvgate.p99_ms - self.direct.p99_ms
-
-    def bound(self) -> str:
-        """What limited the run through kvgate: its own core, the shared core of client and stub, or neither."""
-        busy = self.kvgate.busy
-        if busy.get("kvgate", 0.0) >= BUSY:
-            return "kvgate CPU"
-        if busy.get("client", 0.0) + busy.get("stub", 0.0) >= BUSY:
-            return "client+stub CPU"
-        return "not CPU"
-
-    def to_json(self) -> dict:
-        """The comparison with its derived numbers, as plain JSON."""
-        return {"name": self.name, "spec": self.spec.to_json(), "direct": self.direct.to_json(),
-                "kvgate": self.kvgate.to_json(), "rps_ratio": round(self.rps_ratio, 3),
-                "added_p50_ms": round(self.added_p50_ms, 3), "added_p99_ms": round(self.added_p99_ms, 3),
-                "bound": self.bound()}
-
-
-@dataclass(frozen=True)
-class StreamCpu:
-    """CPU that kvgate and the stub spent relaying the same streamed chunks."""
-
-    chunks: int
-    wall_s: float
-    kvgate_cpu_s: float
-    stub_cpu_s: float
-    errors: int
-
-    def per_10k(self, cpu_s: float) -> float:
-        """CPU seconds per 10,000 chunks."""
-        return cpu_s / self.chunks * 10_000 if self.chunks else 0.0
-
-    def to_json(self) -> dict:
-        """The measurement with per-10k figures and the ratio, as plain JSON."""
-        return {**dataclasses.asdict(self), "kvgate_cpu_s_per_10k_chunks": round(self.per_10k(self.kvgate_cpu_s), 4),
-                "stub_cpu_s_per_10k_chunks": round(self.per_10k(self.stub_cpu_s), 4),
-                "kvgate_over_stub": round(self.kvgate_cpu_s / self.stub_cpu_s, 2) if self.stub_cpu_s else None}
-
-
 def _least_disturbed(runs: list[LoadResult]) -> LoadResult:
-    """The run with the lowest median latency, preferring runs without errors."""
+    """The run with the lowest median latency, preferring runs without errors: other work on a shared machine only
+    ever slows a run down, so the best of a few is the closest to the undisturbed number."""
     return min(runs, key=lambda run: (run.errors > 0, run.p50_ms))
 
 
@@ -240,14 +144,16 @@ async def running_rig(replicas: int, policy: str, log_dir: Path) -> AsyncIterato
             yield Rig(stub, kvgate, replica_urls, gateway_url, gateway_cpu, other_cpu)
 
 
+@dataclasses.dataclass
 class Rig:
-    """The running stubs and kvgate, and the measurements taken on them: direct vs through kvgate."""
+    """The running stubs and kvgate, and the measurements taken on them."""
 
-    def __init__(self, stub: ChildProcess, kvgate: ChildProcess, replica_urls: list[str], gateway_url: str,
-                 gateway_cpu: int | None, other_cpu: int | None) -> None:
-        self.stub, self.kvgate = stub, kvgate
-        self.replica_urls, self.gateway_url = replica_urls, gateway_url
-        self.gateway_cpu, self.other_cpu = gateway_cpu, other_cpu
+    stub: ChildProcess
+    kvgate: ChildProcess
+    replica_urls: list[str]
+    gateway_url: str
+    gateway_cpu: int | None
+    other_cpu: int | None
 
     def pinning(self) -> str:
         """How processes share the CPUs, in words."""
@@ -277,39 +183,59 @@ class Rig:
                           orjson.dumps(spec.to_json()).decode()], self.other_cpu)
         done = subprocess.run(command, capture_output=True, text=True, check=True,
                               timeout=spec.warmup_s + spec.duration_s + 120)
-        return LoadResult.from_json(orjson.loads(done.stdout.splitlines()[-1]))
+        result = orjson.loads(done.stdout.splitlines()[-1])
+        return LoadResult(**{f.name: result[f.name] for f in dataclasses.fields(LoadResult)})
 
     def measure(self, spec: LoadSpec, generator: str) -> LoadResult:
         """Run one load with `generator` ("wrk" or "python")."""
         return self._wrk(spec) if generator == "wrk" else self._python(spec)
 
-    def compare(self, name: str, spec: LoadSpec, generator: str, repeats: int = 1) -> Comparison:
-        """The load sent to the first replica, then the same load through kvgate, `repeats` times in turn.
-
-        Each side keeps its run with the lowest median latency: other work on a shared machine only ever
-        slows a run down, so the best of a few is the closest to the undisturbed number.
-        """
+    def compare(self, name: str, spec: LoadSpec, generator: str, repeats: int = 1) -> dict[str, Any]:
+        """The load sent to the first replica, then through kvgate, `repeats` times in turn; each side's least
+        disturbed run, kvgate's throughput against the direct one, the latency it adds, and what bound the run."""
         direct, through = [], []
         for _ in range(repeats):
             direct.append(self.measure(dataclasses.replace(spec, url=self.replica_urls[0]), generator))
             through.append(self.measure(dataclasses.replace(spec, url=self.gateway_url), generator))
-        return Comparison(name, spec, _least_disturbed(direct), _least_disturbed(through))
+        alone, kvgate = _least_disturbed(direct), _least_disturbed(through)
+        busy = kvgate.busy
+        if busy.get("kvgate", 0.0) >= BUSY:
+            bound = "kvgate CPU"  # its own core
+        elif busy.get("client", 0.0) + busy.get("stub", 0.0) >= BUSY:
+            bound = "client+stub CPU"  # the core the load generator and the stub share
+        else:
+            bound = "not CPU"
+        return {"name": name, "spec": spec.to_json(), "direct": alone.to_json(), "kvgate": kvgate.to_json(),
+                "rps_ratio": round(kvgate.rps / alone.rps if alone.rps else 0.0, 3),
+                "added_p50_ms": round(kvgate.p50_ms - alone.p50_ms, 3),
+                "added_p99_ms": round(kvgate.p99_ms - alone.p99_ms, 3), "bound": bound}
 
-    def stream_cpu(self, spec: LoadSpec) -> StreamCpu:
-        """A streaming run through kvgate with no warm-up, so every chunk sent is counted."""
+    def stream_cpu(self, spec: LoadSpec) -> dict[str, Any]:
+        """CPU that kvgate and the stub spent relaying the same streamed chunks (no warm-up: every chunk counts)."""
         spec = dataclasses.replace(spec, url=self.gateway_url, stream=True, warmup_s=0.0)
         kvgate_before, stub_before = self.kvgate.cpu_seconds(), self.stub.cpu_seconds()
         started = time.perf_counter()
         result = self._python(spec)
-        wall = time.perf_counter() - started
-        return StreamCpu(chunks=result.requests * spec.chunks, wall_s=round(wall, 3),
-                         kvgate_cpu_s=round(self.kvgate.cpu_seconds() - kvgate_before, 3),
-                         stub_cpu_s=round(self.stub.cpu_seconds() - stub_before, 3), errors=result.errors)
+        wall, chunks = time.perf_counter() - started, result.requests * spec.chunks
+        kvgate_s = round(self.kvgate.cpu_seconds() - kvgate_before, 3)
+        stub_s = round(self.stub.cpu_seconds() - stub_before, 3)
+        return {"chunks": chunks, "wall_s": round(wall, 3), "kvgate_cpu_s": kvgate_s, "stub_cpu_s": stub_s,
+                "errors": result.errors,
+                "kvgate_cpu_s_per_10k_chunks": round(kvgate_s / chunks * 10_000 if chunks else 0.0, 4),
+                "stub_cpu_s_per_10k_chunks": round(stub_s / chunks * 10_000 if chunks else 0.0, 4),
+                "kvgate_over_stub": round(kvgate_s / stub_s, 2) if stub_s else None}
 
     def profile(self, spec: LoadSpec, py_spy: str, output: Path, generator: str) -> Profile | None:
-        """Sample kvgate with py-spy while the spec's load runs through it."""
+        """Sample kvgate with py-spy while the spec's load runs through it; None when py-spy could not sample
+        (e.g. no ptrace permission)."""
         spec = dataclasses.replace(spec, url=self.gateway_url, warmup_s=0.0)
         assert self.kvgate.pid is not None, "the rig is stopped"
-        recorder = Recorder(py_spy, self.kvgate.pid, spec.duration_s, output, self.other_cpu)
+        command = [py_spy, "record", "--pid", str(self.kvgate.pid), "--duration", str(max(1, round(spec.duration_s))),
+                   "--format", "raw", "--nolineno", "--rate", "200", "--output", str(output)]
+        recorder = subprocess.Popen(pinned(command, self.other_cpu), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.measure(spec, generator)
-        return recorder.finish()
+        _, stderr = recorder.communicate(timeout=120)
+        if recorder.returncode != 0 or not output.exists():
+            print(f"py-spy failed: {stderr.decode(errors='replace')[-300:]}", file=sys.stderr)
+            return None
+        return summarize(output.read_text())

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.loadtest.kit.counters import metric_samples
+from kvgate.loadtest.kit.counters import metric_samples, sampling
 from kvgate.loadtest.kit.processes import start_gateway, start_sim_fleet, stopping
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
 from kvgate.loadtest.priority.client import (
@@ -28,12 +28,15 @@ from kvgate.loadtest.priority.client import (
     request_body,
     run_open_loop,
 )
-from kvgate.loadtest.priority.report import QueueProbe, RunResult, render_markdown, summarise, verdict
+from kvgate.loadtest.priority.report import QueueSamples, RunResult, render_markdown, summarise, verdict
 from kvgate.simulator import SimOptions
 
 # Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.
 NO_ADMISSION_FLAGS = ("--saturation-queue", "1000000", "--saturation-seated-queue", "1000000",
                       "--saturation-kv-cache", "1.0", "--admission-reserve", "batch=0", "--admission-preemptible", "")
+_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds",
+                      "kvgate_admission_preempted")
+_QUEUE_SAMPLE_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,9 +61,7 @@ class RowSpec:
             flags += NO_ADMISSION_FLAGS
         elif not self.seats_learned:  # as the manifests in deploy/ do
             flags += ["--saturation-seats", str(sim.max_num_seqs)]
-        if self.upstream_priority:
-            flags += ["--upstream-priority", "true"]
-        return flags
+        return flags + (["--upstream-priority", "true"] if self.upstream_priority else [])
 
     def sim_options(self, base: SimOptions) -> SimOptions:
         """Replica settings of this row: `base`, with priority scheduling when kvgate sends priorities."""
@@ -68,67 +69,19 @@ class RowSpec:
 
 
 ADMISSION = RowSpec("a", "cache-aware + admission control as deploy/ ships it: max_num_seqs configured, "
-                              "upstream priority")
+                         "upstream priority")
 FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False, upstream_priority=False)
-ROUND_ROBIN_FIFO = RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False,
-                           upstream_priority=False)
-NO_UPSTREAM_PRIORITY = RowSpec("d", "as (a), replicas first come first served (no upstream priority)",
-                               upstream_priority=False)
-SEATS_LEARNED = RowSpec("e", "as (a), with max_num_seqs learned from /metrics instead of configured",
-                        seats_learned=True)
-BATCH_STREAMED = RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve",
-                         batch_stream=True)
-
-NO_CONFIG_STREAMED = RowSpec("g", "kvgate with no configuration (defaults, seats learned, replicas first come "
-                             "first served), batch streamed", upstream_priority=False, no_config=True, batch_stream=True)
-NO_CONFIG_WHOLE = RowSpec("h", "kvgate with no configuration, batch reading whole answers", upstream_priority=False,
-                          no_config=True)
-
-ROWS = {row.key: row for row in (ADMISSION, FIFO, ROUND_ROBIN_FIFO, NO_UPSTREAM_PRIORITY, SEATS_LEARNED,
-                                 BATCH_STREAMED, NO_CONFIG_STREAMED, NO_CONFIG_WHOLE)}
-
-
-Progress = Callable[[str], None]
-_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds",
-                      "kvgate_admission_preempted")
-_COUNTED_SUFFIXES = ("_total", "_sum", "_count")
-
-
-@dataclass(frozen=True, slots=True)
-class Services:
-    """Where a run sends its load, and the replicas behind it."""
-
-    gateway_url: str
-    replica_urls: list[str]
-
-
-@asynccontextmanager
-async def _gateway(name: str, urls: list[str], flags: Sequence[str], log_dir: Path) -> AsyncIterator[Services]:
-    """A kvgate gateway with `flags` in front of the replicas at `urls`."""
-    gateway, url = await start_gateway(f"{name}-kvgate", urls, flags, log_dir)
-    async with stopping(gateway):
-        yield Services(url, urls)
-
-
-@asynccontextmanager
-async def _services(name: str, replicas: int, options: SimOptions, flags: Sequence[str],
-                    log_dir: Path) -> AsyncIterator[Services]:
-    """A fresh simulated fleet and a gateway in front of it."""
-    fleet, urls = await start_sim_fleet(f"{name}-sim", replicas, options, log_dir)
-    async with stopping(fleet), _gateway(name, urls, flags, log_dir) as target:
-        yield target
-
-
-async def admission_counters(gateway_url: str) -> dict[str, float]:
-    """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-        samples = await metric_samples(session, gateway_url, _ADMISSION_METRICS)
-    counters: dict[str, float] = {}
-    for sample in samples:
-        if sample.name.endswith(_COUNTED_SUFFIXES):
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
-    return counters
+ROWS = {row.key: row for row in (
+    ADMISSION, FIFO,
+    RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False,
+            upstream_priority=False),
+    RowSpec("d", "as (a), replicas first come first served (no upstream priority)", upstream_priority=False),
+    RowSpec("e", "as (a), with max_num_seqs learned from /metrics instead of configured", seats_learned=True),
+    RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve", batch_stream=True),
+    RowSpec("g", "kvgate with no configuration (defaults, seats learned, replicas first come first served), batch "
+                 "streamed", upstream_priority=False, no_config=True, batch_stream=True),
+    RowSpec("h", "kvgate with no configuration, batch reading whole answers", upstream_priority=False, no_config=True),
+)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +118,8 @@ class Plan:
 
     @property
     def capacity_warmup_s(self) -> float:
-        """How long the capacity probe runs before it counts: its first wave starts at once on a cold fleet, and
-        completions reach the steady rate only once the longest request of that wave has finished."""
+        """How long the capacity probe runs before it counts: until the longest request of its first wave (started
+        at once on a cold fleet) has finished and completions reach their steady rate."""
         return output_tokens_max(self.max_tokens) * self._full_batch_step_s()
 
     def body_for(self, arrival: Arrival, batch_stream: bool = False) -> bytes:
@@ -178,58 +131,6 @@ class Plan:
         """The plan as plain JSON."""
         return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s,
                 "capacity_warmup_s": round(self.capacity_warmup_s, 2)}
-
-
-async def _run(plan: Plan, target: Services, key: str, title: str, rate: float, duration: float,
-               batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0) -> RunResult:
-    """One open-loop run against `target`, its queues sampled while the load is on."""
-    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
-    probe = QueueProbe(target.gateway_url, target.replica_urls)
-    probing = asyncio.create_task(probe.run())
-    asyncio.get_running_loop().call_later(lead_in_s + duration, probing.cancel)
-    try:
-        samples = await run_open_loop(target.gateway_url, arrivals, body_for, plan.drain_cap_s)
-    finally:
-        probing.cancel()
-        await asyncio.gather(probing, return_exceptions=True)
-    counters = await admission_counters(target.gateway_url)
-    return summarise(key, title, rate, duration, samples, probe.summary(), counters, lead_in_s)
-
-
-async def run_benchmark(plan: Plan, log_dir: Path, progress: Progress) -> dict[str, Any]:
-    """Every run of the plan, in order; the report as plain JSON."""
-    seats = plan.replicas * plan.sim.max_num_seqs
-    fleet, urls = await start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)
-    async with stopping(fleet):
-        capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
-        progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
-        async with _gateway("unloaded", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as target:
-            unloaded = await _run(plan, target, "unloaded", f"{ADMISSION.title}, interactive only",
-                                  plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
-    progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
-             f"p99 {unloaded.interactive.ttft_p99_ms} ms")
-    runs: list[RunResult] = []
-    for key in plan.rows:
-        row = ROWS[key]
-        async with _services(f"row-{key}", plan.replicas, row.sim_options(plan.sim), row.gateway_flags(plan.sim),
-                            log_dir) as target:
-            run = await _run(plan, target, key, row.title, plan.overload_factor * capacity,
-                             plan.overload_s, plan.batch_fraction, plan.seed + 1,
-                             functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)
-        runs.append(run)
-        progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
-                 f"shed {run.batch.shed} lost {run.lost}, wall {run.wall_s} s, replica queue mean "
-                 f"{run.queues.replica_waiting_mean}")
-    fifo = next((run for run in runs if run.key == FIFO.key), None)
-    verdicts = [verdict(run, unloaded, fifo) for run in runs if ROWS[run.key].admission]
-    return {
-        "plan": plan.to_json(),
-        "capacity": {"measured_rps": round(capacity, 1), "derived_rps": round(plan.derived_capacity(), 1),
-                     "seats": seats},
-        "unloaded": unloaded.to_json(),
-        "runs": [run.to_json() for run in runs],
-        "verdicts": [{**dataclasses.asdict(v), "passed": v.passed} for v in verdicts],
-    }
 
 
 # Small enough for a 2-core machine: tens of requests per second, so the Python load generator keeps its schedule.
@@ -245,8 +146,80 @@ FLEETS = {
     "seats256": {"sim": SimOptions(max_num_seqs=256, num_gpu_blocks=4096, decode_step_seconds=0.02,
                                    decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h")},
 }
-QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1,
-                            rows=("a", "b", "c"))
+QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"))
+
+
+@asynccontextmanager
+async def _gateway(name: str, urls: list[str], flags: Sequence[str], log_dir: Path) -> AsyncIterator[str]:
+    """A kvgate gateway with `flags` in front of the replicas at `urls`; its URL."""
+    gateway, url = await start_gateway(f"{name}-kvgate", urls, flags, log_dir)
+    async with stopping(gateway):
+        yield url
+
+
+async def admission_counters(gateway_url: str) -> dict[str, float]:
+    """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        samples = await metric_samples(session, gateway_url, _ADMISSION_METRICS)
+    counters: dict[str, float] = {}
+    for sample in samples:
+        if sample.name.endswith(("_total", "_sum", "_count")):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
+    return counters
+
+
+async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: str, rate: float, duration: float,
+               batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0) -> RunResult:
+    """One open-loop run through `gateway_url`, the queues sampled while the load is on."""
+    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
+    loop = asyncio.get_running_loop()
+    load_end, queues = loop.time() + lead_in_s + duration, QueueSamples()
+
+    async def sample() -> None:
+        if loop.time() < load_end:
+            await queues.sample(session, gateway_url, urls)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        async with sampling(_QUEUE_SAMPLE_SECONDS, sample):
+            samples = await run_open_loop(gateway_url, arrivals, body_for, plan.drain_cap_s)
+    counters = await admission_counters(gateway_url)
+    return summarise(key, title, rate, duration, samples, queues.summary(), counters, lead_in_s)
+
+
+async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Capacity probe, unloaded baseline, then each overload row on a fresh fleet; the report as plain JSON."""
+    seats = plan.replicas * plan.sim.max_num_seqs
+    fleet, urls = await start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)
+    async with stopping(fleet):
+        capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
+        progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
+        async with _gateway("unloaded", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as url:
+            unloaded = await _run(plan, url, urls, "unloaded", f"{ADMISSION.title}, interactive only",
+                                  plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
+    progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
+             f"p99 {unloaded.interactive.ttft_p99_ms} ms")
+    runs: list[RunResult] = []
+    for key in plan.rows:
+        row = ROWS[key]
+        fleet, urls = await start_sim_fleet(f"row-{key}-sim", plan.replicas, row.sim_options(plan.sim), log_dir)
+        async with stopping(fleet), _gateway(f"row-{key}", urls, row.gateway_flags(plan.sim), log_dir) as url:
+            run = await _run(plan, url, urls, key, row.title, plan.overload_factor * capacity, plan.overload_s,
+                             plan.batch_fraction, plan.seed + 1,
+                             functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)
+        runs.append(run)
+        progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
+                 f"shed {run.batch.shed} lost {run.interactive.lost + run.batch.lost}, wall {run.wall_s} s, replica "
+                 f"queue mean {run.queues['replica_waiting_mean']}")
+    fifo = next((run for run in runs if run.key == FIFO.key), None)
+    return {
+        "plan": plan.to_json(),
+        "capacity": {"measured_rps": round(capacity, 1), "derived_rps": round(plan.derived_capacity(), 1),
+                     "seats": seats},
+        "unloaded": unloaded.to_json(),
+        "runs": [run.to_json() for run in runs],
+        "verdicts": [verdict(run, unloaded, fifo) for run in runs if ROWS[run.key].admission],
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

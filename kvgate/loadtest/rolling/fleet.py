@@ -1,4 +1,5 @@
-"""What discovery says about each replica during a restart, and an in-process discovery source to say it."""
+"""A fleet of simulated replicas with a pod's lifecycle, restarted one at a time in the order Kubernetes does,
+while discovery reports each step."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from kvgate.endpoints.discovery import DiscoveryStatus, EndpointsCallback
 from kvgate.endpoints.types import Endpoint
 from kvgate.simulator import SimOptions, SimReplica
 
+log = logging.getLogger(__name__)
+# After a drain nothing is in flight; this only bounds a stop that follows a drain timeout.
+_STOP_GRACE_SECONDS = 1.0
+
 
 class ReplicaPhase(enum.Enum):
     """A pod's state as the EndpointSlice controller publishes it."""
@@ -34,31 +39,23 @@ class PublishedReplica:
     url: str
     phase: ReplicaPhase
 
-    def endpoint(self) -> Endpoint:
-        """The endpoint the gateway sees: accepting only while ready."""
-        return Endpoint(key=self.name, url=self.url, accepting=self.phase is ReplicaPhase.READY)
-
 
 # Called with every listed replica after each change, like a full EndpointSlice list.
 Publisher = Callable[[Sequence[PublishedReplica]], None]
 
 
 class ControlledDiscovery:
-    """A Discovery whose endpoint set the caller replaces with `set`; reported to the gateway at once."""
+    """A Discovery whose endpoints are the replicas last published (accepting only while ready), reported at once."""
 
-    def __init__(self, endpoints: Sequence[Endpoint] = ()) -> None:
+    def __init__(self) -> None:
         self.status = DiscoveryStatus(healthy=True, synced=True)
-        self._endpoints = list(endpoints)
+        self._endpoints: list[Endpoint] = []
         self._changed = asyncio.Event()
-
-    def set(self, endpoints: Sequence[Endpoint]) -> None:
-        """Replace the endpoint set."""
-        self._endpoints = list(endpoints)
-        self._changed.set()
 
     def publish(self, replicas: Sequence[PublishedReplica]) -> None:
         """A Publisher: list `replicas` as endpoints."""
-        self.set([replica.endpoint() for replica in replicas])
+        self._endpoints = [Endpoint(key=r.name, url=r.url, accepting=r.phase is ReplicaPhase.READY) for r in replicas]
+        self._changed.set()
 
     async def run(self, on_change: EndpointsCallback) -> None:
         """Report the current set, then every replacement, until cancelled."""
@@ -67,13 +64,6 @@ class ControlledDiscovery:
             self.status.last_event_at = time.monotonic()
             on_change(list(self._endpoints))
             await self._changed.wait()
-
-
-log = logging.getLogger(__name__)
-
-_HOST = "127.0.0.1"
-# After a drain nothing is in flight; this only bounds a stop that follows a drain timeout.
-_STOP_GRACE_SECONDS = 1.0
 
 
 class RestartableReplica:
@@ -89,23 +79,16 @@ class RestartableReplica:
     async def start(cls, name: str, options: SimOptions) -> RestartableReplica:
         """Listen on a free port; the API answers once `options.startup_seconds` (model load) have passed."""
         replica = cls(name, options)
-        runner = web.AppRunner(replica.sim.build_app(), access_log=None, shutdown_timeout=_STOP_GRACE_SECONDS)
-        await runner.setup()
-        replica._runner = runner
+        replica._runner = web.AppRunner(replica.sim.build_app(), access_log=None, shutdown_timeout=_STOP_GRACE_SECONDS)
+        await replica._runner.setup()
         try:
-            site = web.TCPSite(runner, _HOST, 0)
-            await site.start()
+            await web.TCPSite(replica._runner, "127.0.0.1", 0).start()
         except BaseException:
-            await runner.cleanup()
+            await replica.stop()
             raise
-        replica.url = f"http://{_HOST}:{runner.addresses[0][1]}"
+        replica.url = f"http://127.0.0.1:{replica._runner.addresses[0][1]}"
         log.info("replica started name=%s url=%s", name, replica.url)
         return replica
-
-    @property
-    def running(self) -> bool:
-        """Whether the port is still open."""
-        return self._runner is not None
 
     def in_flight(self) -> int:
         """Sequences the engine holds now, running or waiting."""
@@ -120,20 +103,13 @@ class RestartableReplica:
             log.info("replica stopped name=%s", self.name)
 
     async def kill(self) -> None:
-        """Die at once: every open connection is dropped mid-response, then the port is closed."""
-        runner = self._runner
-        if runner is None:
-            return
-        # Drop the connections before closing the port: nothing gets a graceful end, as with SIGKILL.
-        for connection in runner.server.connections if runner.server else ():
+        """Die at once: every open connection is dropped mid-response (nothing ends gracefully), then the port
+        closes."""
+        server = self._runner.server if self._runner is not None else None
+        for connection in server.connections if server else ():
             if connection.transport is not None:
                 connection.transport.abort()
         await self.stop()
-
-
-def replica_name(ordinal: int) -> str:
-    """The pod-like name of the `ordinal`-th replica ever started."""
-    return f"vllm-{ordinal}"
 
 
 async def start_replicas(count: int, options: SimOptions) -> list[RestartableReplica]:
@@ -141,15 +117,11 @@ async def start_replicas(count: int, options: SimOptions) -> list[RestartableRep
     replicas: list[RestartableReplica] = []
     try:
         for ordinal in range(count):
-            replicas.append(await RestartableReplica.start(replica_name(ordinal), options))
+            replicas.append(await RestartableReplica.start(f"vllm-{ordinal}", options))
     except BaseException:
-        for replica in replicas:
-            await replica.stop()
+        await asyncio.gather(*(replica.stop() for replica in replicas))
         raise
     return replicas
-
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,15 +151,9 @@ class RestartRecord:
     ready: float  # the replacement listed as ready
 
 
-class ReplicaNotReady(RuntimeError):
-    """A replacement replica did not pass its readiness probe in time."""
-
-
 class RollingRestart:
-    """Replaces the replicas of a fleet one at a time, publishing each phase through `publish`.
-
-    `replicas` is the live list: entries are swapped for their replacements as the restart goes.
-    """
+    """Replaces the replicas of a fleet one at a time, publishing each phase through `publish`; `replicas` is the
+    live list, its entries swapped for their replacements as the restart goes."""
 
     def __init__(self, replicas: Sequence[RestartableReplica], publish: Publisher,
                  replacement_options: SimOptions, timing: RestartTiming) -> None:
@@ -206,16 +172,13 @@ class RollingRestart:
     async def restart(self, index: int) -> RestartRecord:
         """Terminate replica `index` gracefully (drain, then stop) and bring up its replacement."""
         timing, old = self._timing, self.replicas[index]
-        loop = asyncio.get_running_loop()
-        began = loop.time()
+        began = asyncio.get_running_loop().time()
         if timing.discovery_first:
             self._list(old, ReplicaPhase.TERMINATING)
             await asyncio.sleep(timing.propagation_s)  # a preStop sleep: let every gateway see it first
-            in_flight = old.in_flight()
-            old.sim.begin_shutdown()
-        else:
-            in_flight = old.in_flight()
-            old.sim.begin_shutdown()
+        in_flight = old.in_flight()
+        old.sim.begin_shutdown()
+        if not timing.discovery_first:
             await asyncio.sleep(timing.propagation_s)  # the EndpointSlice update is late
             self._list(old, ReplicaPhase.TERMINATING)
         drained = await old.sim.drain(timing.shutdown_timeout_s)
@@ -227,8 +190,7 @@ class RollingRestart:
     async def crash(self, index: int) -> RestartRecord:
         """Kill replica `index` while discovery still lists it ready, then bring up its replacement."""
         old = self.replicas[index]
-        began = asyncio.get_running_loop().time()
-        in_flight = old.in_flight()
+        began, in_flight = asyncio.get_running_loop().time(), old.in_flight()
         await old.kill()
         aborted = int(old.sim.stats()["aborts"])
         log.info("replica killed name=%s in_flight=%d aborted=%d", old.name, in_flight, aborted)
@@ -237,11 +199,12 @@ class RollingRestart:
     async def _replace(self, index: int, began: float, in_flight: int, drained: bool, aborted: int) -> RestartRecord:
         """After the old replica's port closed: drop it from discovery, start its replacement, list it ready."""
         loop = asyncio.get_running_loop()
-        stopped = loop.time()
-        old = self.replicas[index]
+        stopped, old = loop.time(), self.replicas[index]
         await asyncio.sleep(self._timing.removal_lag_s)
-        self._unlist(old)
-        new = await RestartableReplica.start(replica_name(next(self._ordinals)), self._options)
+        del self._listed[old.name]
+        log.info("discovery drops name=%s", old.name)
+        self._publish(list(self._listed.values()))
+        new = await RestartableReplica.start(f"vllm-{next(self._ordinals)}", self._options)
         self.replicas[index] = new
         self._list(new, ReplicaPhase.STARTING)
         await self._wait_ready(new)
@@ -253,8 +216,7 @@ class RollingRestart:
         timing = self._timing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timing.ready_timeout_s
-        probe_timeout = aiohttp.ClientTimeout(total=timing.probe_timeout_s)
-        async with aiohttp.ClientSession(timeout=probe_timeout) as session:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timing.probe_timeout_s)) as session:
             while loop.time() < deadline:
                 try:
                     async with session.get(replica.url + "/health") as response:
@@ -263,14 +225,9 @@ class RollingRestart:
                 except (aiohttp.ClientError, TimeoutError):
                     pass  # still loading: the probe times out, as against a vLLM that has not bound its API yet
                 await asyncio.sleep(timing.probe_interval_s)
-        raise ReplicaNotReady(f"{replica.name} not ready within {timing.ready_timeout_s:g}s")
+        raise RuntimeError(f"{replica.name} not ready within {timing.ready_timeout_s:g}s")
 
     def _list(self, replica: RestartableReplica, phase: ReplicaPhase) -> None:
         self._listed[replica.name] = PublishedReplica(replica.name, replica.url, phase)
         log.info("discovery lists name=%s phase=%s", replica.name, phase.value)
-        self._publish(list(self._listed.values()))
-
-    def _unlist(self, replica: RestartableReplica) -> None:
-        del self._listed[replica.name]
-        log.info("discovery drops name=%s", replica.name)
         self._publish(list(self._listed.values()))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import socket
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -143,80 +145,62 @@ class SoakLoad:
         while loop.time() + shape.fault_interval_s < deadline:
             await asyncio.sleep(shape.fault_interval_s)
             for _ in range(shape.aborts_per_round):
-                group.create_task(self._abort_mid_stream(session))
+                group.create_task(self._tallied("abort_mid_stream", lambda: self._abort_mid_stream(session)))
             for name, raw in MALFORMED_REQUESTS.items():
-                group.create_task(self._malformed(name, raw))
+                group.create_task(self._tallied(f"malformed:{name}", functools.partial(self._malformed, raw)))
             for _ in range(shape.slow_readers_per_round):
-                group.create_task(self._slow_reader())
+                group.create_task(self._tallied("slow_reader", self._slow_reader))
 
-    async def _abort_mid_stream(self, session: aiohttp.ClientSession) -> None:
-        """Read the first event of a stream, then drop the connection."""
-        self.tally.start("abort_mid_stream")
-        try:
-            async with session.post(self._url + CHAT_PATH, data=orjson.dumps(self._chat(self._shape.max_tokens)),
-                                    headers={"Content-Type": "application/json"}) as response:
-                if response.status != 200:
-                    await response.read()
-                    self.tally.finish("abort_mid_stream", f"http_{response.status}")
-                    return
-                await response.content.readuntil(b"\n\n")
-                response.close()
-                self.tally.finish("abort_mid_stream", "aborted")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.tally.finish("abort_mid_stream", f"{LOST_PREFIX}_{type(exc).__name__}")
-
-    async def _malformed(self, name: str, raw: bytes) -> None:
-        """Send one malformed request and read the answer until the gateway closes."""
-        kind = f"malformed:{name}"
+    async def _tallied(self, kind: str, attempt: Callable[[], Awaitable[str]]) -> None:
+        """Count one request of `kind` and the outcome `attempt` gives; one whose connection failed is lost."""
         self.tally.start(kind)
         try:
-            reader, writer = await asyncio.open_connection(self._host, self._port)
-        except OSError as exc:
-            self.tally.finish(kind, f"{LOST_PREFIX}_{type(exc).__name__}")
-            return
+            outcome = await attempt()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome = f"{LOST_PREFIX}_{type(exc).__name__}"
+        self.tally.finish(kind, outcome)
+
+    async def _abort_mid_stream(self, session: aiohttp.ClientSession) -> str:
+        """Read the first event of a stream, then drop the connection."""
+        body = orjson.dumps(self._chat(self._shape.max_tokens))
+        async with session.post(self._url + CHAT_PATH, data=body, headers={"Content-Type": "application/json"}) as answer:
+            if answer.status != 200:
+                await answer.read()
+                return f"http_{answer.status}"
+            await answer.content.readuntil(b"\n\n")
+            answer.close()
+            return "aborted"
+
+    async def _malformed(self, raw: bytes) -> str:
+        """Send one malformed request and read the answer until the gateway closes."""
+        reader, writer = await asyncio.open_connection(self._host, self._port)
         try:
             writer.write(raw)
             answer = await asyncio.wait_for(reader.read(), _RAW_TIMEOUT_S)
-            status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.") else b""
-            if not status.isdigit():
-                self.tally.finish(kind, f"{LOST_PREFIX}_no_answer")
-            elif 400 <= int(status) < 500:
-                self.tally.finish(kind, "rejected_4xx")
-            else:
-                self.tally.finish(kind, f"http_{int(status)}")
-        except (OSError, TimeoutError) as exc:
-            self.tally.finish(kind, f"{LOST_PREFIX}_{type(exc).__name__}")
         finally:
             writer.transport.abort()
+        status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.") else b""
+        if not status.isdigit():
+            return f"{LOST_PREFIX}_no_answer"
+        return "rejected_4xx" if 400 <= int(status) < 500 else f"http_{int(status)}"
 
-    async def _slow_reader(self) -> None:
+    async def _slow_reader(self) -> str:
         """Stream a long answer through a tiny receive buffer, a few hundred bytes at a time."""
         shape = self._shape
-        self.tally.start("slow_reader")
-        try:
-            client = await SlowReader.open(self._host, self._port)
-        except OSError as exc:
-            self.tally.finish("slow_reader", f"{LOST_PREFIX}_{type(exc).__name__}")
-            return
+        client = await SlowReader.open(self._host, self._port)
         try:
             await client.send(post_request(self._host, self._port, CHAT_PATH, self._chat(shape.slow_reader_max_tokens)))
             closed = await client.read_slowly(shape.slow_read_bytes, shape.slow_read_interval_s, shape.slow_read_max_s)
-            self.tally.finish("slow_reader", _slow_outcome(client, closed))
-        except OSError as exc:
-            self.tally.finish("slow_reader", f"{LOST_PREFIX}_{type(exc).__name__}")
         finally:
             client.close()
-
-
-def _slow_outcome(client: SlowReader, closed: bool) -> str:
-    status = client.status()
-    if status is not None and status != 200:
-        return f"http_{status}"
-    if not closed:
-        return f"{LOST_PREFIX}_slow_read_timeout"
-    if b"[DONE]" not in client.tail:
-        return f"{LOST_PREFIX}_truncated"
-    return "error_event" if b'"error"' in client.tail else OK
+        status = client.status()
+        if status is not None and status != 200:
+            return f"http_{status}"
+        if not closed:
+            return f"{LOST_PREFIX}_slow_read_timeout"
+        if b"[DONE]" not in client.tail:
+            return f"{LOST_PREFIX}_truncated"
+        return "error_event" if b'"error"' in client.tail else OK
 
 
 # asyncio's StreamReader stops reading the socket once it holds twice this: the client buffers almost nothing.
