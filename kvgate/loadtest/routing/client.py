@@ -1,7 +1,5 @@
-"""The routing benchmark's load: scripted multi-turn chats, closed loop or Poisson arrivals, bounded in count and time.
-
-Requests go to the targets in turn (client-side round robin), so several gateways share the load.
-"""
+"""The routing benchmarks' loads and the client that sends the chat ones: scripted multi-turn chats, closed loop
+or Poisson arrivals, bounded in count and time, to the targets in turn (several gateways share the load)."""
 
 from __future__ import annotations
 
