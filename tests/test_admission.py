@@ -9,14 +9,14 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.capacity import ClassStanding
 from kvgate.policies.priorities import PriorityConfig
+from kvgate.router.priority_headers import PriorityError, classify
 from kvgate.policies.types import RequestInfo
 from kvgate.router.admission import AdmissionConfig, AdmissionQueue
 from kvgate.router.errors import GatewayError
 from kvgate.router.metrics import GatewayMetrics
-from kvgate.router.priority_headers import PriorityError, classify
-from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

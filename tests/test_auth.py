@@ -18,13 +18,13 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.config import RoutingConfig
 from kvgate.router.auth import ApiKeyStore, KeyInfo, KeysFileError, bearer_token, parse_keys
 from kvgate.router.config import ConfigError
 from kvgate.router.errors import GatewayError
 from kvgate.router.ratelimit import RateLimiter, estimate_tokens
 from kvgate.router.requests import InferenceRequest, parse_request
-from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import FakeClock, running_gateway, scripted_replica, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import ClassStanding, SaturationThresholds, SeatLearner, kv_slots, room_for, seat_to_free
+from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_slots, room_for,
+                                      seat_to_free)
 from kvgate.policies.rendezvous import retry_order
 
 

@@ -11,8 +11,8 @@ import pytest
 
 from kvgate.endpoints.k8s_slices import SliceReader
 from kvgate.endpoints.kubernetes import EndpointSliceWatcher
-from kvgate.endpoints.multi_discovery import MultiDiscovery
 from kvgate.endpoints.types import Endpoint
+from kvgate.endpoints.multi_discovery import MultiDiscovery
 from tests.harness import Reports, running
 from tests.k8s_api import K8sTestApi, make_slice
 

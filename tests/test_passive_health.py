@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 import aiohttp
 
 from kvgate.endpoints.health import PassiveHealth

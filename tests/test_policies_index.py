@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from kvgate.endpoints.types import ReplicaMetrics
 from kvgate.policies import PrefixIndex, RoutingConfig, index_capacity_blocks
-from kvgate.policies.prefix_index import BYTES_PER_BLOCK
 from kvgate.policies.prefix_keys import chain_hashes
+from kvgate.policies.prefix_index import BYTES_PER_BLOCK
 
 
 def path(name: str, blocks: int) -> tuple[int, ...]:

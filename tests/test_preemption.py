@@ -10,13 +10,13 @@ import aiohttp
 import pytest
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
+from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.priorities import PriorityConfig
 from kvgate.policies.types import RequestInfo
 from kvgate.router.admission import AdmissionConfig, AdmissionQueue
 from kvgate.router.config import ConfigError, build_config
 from kvgate.router.metrics import GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
-from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

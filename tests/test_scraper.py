@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.endpoints.types import UNSCRAPED
 from kvgate.endpoints.prometheus_text import select_samples
 from kvgate.endpoints.scraper import MetricsScraper
-from kvgate.endpoints.types import UNSCRAPED
 from kvgate.endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics
 from kvgate.loadtest.kit.vllm_metrics_page import LEGACY_KV_USAGE, EngineLoad, LoraSeries, render_vllm_metrics
 from tests.fake_vllm_replica import refused_endpoint

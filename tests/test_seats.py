@@ -9,12 +9,13 @@ import pytest
 
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
+from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.cache_aware import CacheAwarePolicy
-from kvgate.policies.capacity import SaturationThresholds, estimated_waiting, fleet_headroom, free_seats, occupied
 from kvgate.policies.config import RoutingConfig
+from kvgate.policies.capacity import (SaturationThresholds, estimated_waiting, fleet_headroom, free_seats,
+                                      occupied)
 from kvgate.policies.types import RequestInfo
 from kvgate.router.config import ConfigError, build_config
-from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

@@ -69,7 +69,7 @@ def add_knobs(parser: argparse.ArgumentParser, preset: object, helps: dict[str, 
     for name, text in helps.items():
         value = getattr(preset, name)
         group.add_argument("--" + name.replace("_", "-"), type=type(value), default=None,
-                            help=f"{text} (default {value})")
+                           help=f"{text} (default {value})")
 
 
 def with_knobs(options: argparse.Namespace, preset: _Preset, names: Iterable[str]) -> _Preset:

@@ -74,7 +74,7 @@ class _Replica:
         """Stop the replica gracefully, or with `kill` by SIGKILL, if it runs."""
         child, self.child = self.child, None
         if child is not None:
-            await (child.kill() if kill else child.stop())
+            await child.stop(kill)
 
 
 async def _kill_replicas(replicas: list[_Replica], plan: SoakPlan, now: Callable[[], float],
