@@ -20,7 +20,15 @@ import orjson
 
 from kvgate.loadtest.kit.counters import read_stats, reset_stats
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
-from kvgate.loadtest.kit.processes import HOST, ChildProcess, free_ports, start_gateway, start_sim_fleet, start_stub
+from kvgate.loadtest.kit.processes import (
+    HOST,
+    ChildProcess,
+    free_ports,
+    running,
+    start_gateway,
+    start_sim_fleet,
+    start_stub,
+)
 from kvgate.loadtest.kit.report import publish
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
@@ -94,9 +102,8 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
     conversations = build_conversations(spec)
     base = SimOptions(speed=speed)
     options = fleet_options(Footprint.of_chats(spec, base.block_size), spec.model, base, cache_fraction=0.5)
-    fleet, urls = await start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)
     rows = []
-    try:
+    async with running(start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)) as urls:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             for name in ROUTING_ROWS:
                 async with routed(name, urls, envoy, log_dir) as (target, _):
@@ -112,27 +119,22 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
                              "ttft_p99_ms": _ms(summary.ttft_p99), "replica_requests": summary.replica_requests})
                 print(f"  {name}: hit rate {summary.hit_rate:.1%}, {summary.requests} requests, "
                       f"{summary.errors} errors", file=sys.stderr, flush=True)
-    finally:
-        await fleet.stop()
     return rows
 
 
 async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, Any]]:
     """Part 2: serial streams to instant stubs through every path in turn (so that the machine's noise falls on
     all of them alike); TTFB, time per streamed chunk beyond the stub's pacing, and kvgate's CPU."""
-    stub, urls = await start_stub("stub", REPLICAS, log_dir)
-    try:
-        async with AsyncExitStack() as stack:
-            targets, gateways = {}, {}
-            for name in COST_ROWS:
-                targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
-            await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
-            _, idle = await _cpu_during(gateways, asyncio.sleep(plan.idle_s))
-            short, short_cpu = await _cpu_during(gateways, interleaved(targets, 1, 0, plan.serial_requests), idle)
-            long, long_cpu = await _cpu_during(
-                gateways, interleaved(targets, plan.long_stream_chunks, _PACING_MS, plan.long_requests), idle)
-    finally:
-        await stub.stop()
+    async with AsyncExitStack() as stack:
+        urls = await stack.enter_async_context(running(start_stub("stub", REPLICAS, log_dir)))
+        targets, gateways = {}, {}
+        for name in COST_ROWS:
+            targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
+        await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
+        _, idle = await _cpu_during(gateways, asyncio.sleep(plan.idle_s))
+        short, short_cpu = await _cpu_during(gateways, interleaved(targets, 1, 0, plan.serial_requests), idle)
+        long, long_cpu = await _cpu_during(
+            gateways, interleaved(targets, plan.long_stream_chunks, _PACING_MS, plan.long_requests), idle)
     rows = []
     extra_chunks = plan.long_stream_chunks - 1
     for name in COST_ROWS:

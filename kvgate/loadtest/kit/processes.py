@@ -11,9 +11,10 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 
@@ -28,6 +29,7 @@ _STOP_TIMEOUT_SECONDS = 10.0
 _POLL_SECONDS = 0.1
 _LOG_TAIL_CHARS = 2000
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_Found = TypeVar("_Found")
 
 
 class ProcessError(RuntimeError):
@@ -210,6 +212,14 @@ async def start_external(name: str, template: str, workers: Sequence[str], log_d
     child, (url,) = await _started(name, external_argv(template, workers, port), [base_url(port)], "/v1/models",
                                    log_dir)
     return child, url
+
+
+@asynccontextmanager
+async def running(started: Awaitable[tuple[ChildProcess, _Found]]) -> AsyncIterator[_Found]:
+    """What a `start_*` call found (its URL or URLs), its child stopped when the block exits, however it exits."""
+    child, found = await started
+    async with stopping(child):
+        yield found
 
 
 @asynccontextmanager

@@ -53,9 +53,10 @@ class RunMeta:
                 "loadavg_1m": [round(self._load_before, 2), round(os.getloadavg()[0], 2)], **extra}
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """A Markdown table's lines."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], right: Sequence[bool] = ()) -> list[str]:
+    """A Markdown table's lines; columns marked in `right` are right-aligned."""
+    aligns = [right[n] if n < len(right) else False for n in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "".join("---:|" if r else "---|" for r in aligns)]
     return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
 
 

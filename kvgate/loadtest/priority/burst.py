@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from kvgate.loadtest.cli import external_router
-from kvgate.loadtest.kit.processes import start_external, start_gateway, start_sim_fleet, stopping
+from kvgate.loadtest.kit.processes import running, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.report import RunMeta, publish, table
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import stream_chat
@@ -50,14 +50,12 @@ async def _measure(options: argparse.Namespace) -> dict[str, Any]:
     log_dir = options.out / "logs"
     streams, rounds = (50, 1) if options.quick else (options.streams, options.rounds)
     async with contextlib.AsyncExitStack() as stack:
-        fleet, workers = await start_sim_fleet("burst-sim", 3, ROOMY, log_dir)
-        await stack.enter_async_context(stopping(fleet))
-        gateway, url = await start_gateway("burst-kvgate", workers, [], log_dir)
-        await stack.enter_async_context(stopping(gateway))
-        routers = {"kvgate": url}
+        workers = await stack.enter_async_context(running(start_sim_fleet("burst-sim", 3, ROOMY, log_dir)))
+        routers = {"kvgate": await stack.enter_async_context(running(start_gateway("burst-kvgate", workers, [],
+                                                                                  log_dir)))}
         for name, template in options.external:
-            child, routers[name] = await start_external(f"burst-{name}", template, workers, log_dir)
-            await stack.enter_async_context(stopping(child))
+            started = start_external(f"burst-{name}", template, workers, log_dir)
+            routers[name] = await stack.enter_async_context(running(started))
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in routers}
         for _, (name, target) in itertools.product(range(rounds), routers.items()):
             rows[name].append(await burst(target, streams, ROOMY.models[0]))

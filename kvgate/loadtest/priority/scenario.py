@@ -7,8 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from kvgate.loadtest.kit.counters import metric_samples, sampling
-from kvgate.loadtest.kit.processes import start_gateway, start_sim_fleet, stopping
+from kvgate.loadtest.kit.processes import running, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
 from kvgate.loadtest.priority.client import (
     INTERACTIVE,
@@ -149,14 +148,6 @@ FLEETS = {
 QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"))
 
 
-@asynccontextmanager
-async def _gateway(name: str, urls: list[str], flags: Sequence[str], log_dir: Path) -> AsyncIterator[str]:
-    """A kvgate gateway with `flags` in front of the replicas at `urls`; its URL."""
-    gateway, url = await start_gateway(f"{name}-kvgate", urls, flags, log_dir)
-    async with stopping(gateway):
-        yield url
-
-
 async def admission_counters(gateway_url: str) -> dict[str, float]:
     """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
@@ -190,11 +181,10 @@ async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: s
 async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
     """Capacity probe, unloaded baseline, then each overload row on a fresh fleet; the report as plain JSON."""
     seats = plan.replicas * plan.sim.max_num_seqs
-    fleet, urls = await start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)
-    async with stopping(fleet):
+    async with running(start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)) as urls:
         capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
         progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
-        async with _gateway("unloaded", urls, ADMISSION.gateway_flags(plan.sim), log_dir) as url:
+        async with running(start_gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir)) as url:
             unloaded = await _run(plan, url, urls, "unloaded", f"{ADMISSION.title}, interactive only",
                                   plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
     progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
@@ -202,8 +192,9 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
     runs: list[RunResult] = []
     for key in plan.rows:
         row = ROWS[key]
-        fleet, urls = await start_sim_fleet(f"row-{key}-sim", plan.replicas, row.sim_options(plan.sim), log_dir)
-        async with stopping(fleet), _gateway(f"row-{key}", urls, row.gateway_flags(plan.sim), log_dir) as url:
+        sims = start_sim_fleet(f"row-{key}-sim", plan.replicas, row.sim_options(plan.sim), log_dir)
+        async with running(sims) as urls, running(start_gateway(f"row-{key}-kvgate", urls, row.gateway_flags(plan.sim),
+                                                                log_dir)) as url:
             run = await _run(plan, url, urls, key, row.title, plan.overload_factor * capacity, plan.overload_s,
                              plan.batch_fraction, plan.seed + 1,
                              functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)

@@ -285,6 +285,9 @@ _HEADER = ("row", "hit rate", "% of oracle", "TTFT p50 ms", "TTFT p99 ms", "E2E 
            "out tok/s", "requests", "errors", "max/mean req", "replica shares", "kvgate decisions", "targets")
 
 
+_RIGHT = [False] + [True] * 11  # the figures; names, shares, decisions and targets read left to right
+
+
 def _cells(row: RowSummary) -> list[str]:
     if row.failure is not None:
         return [row.name, f"did not run: {row.failure}", *[""] * 13]
@@ -304,7 +307,7 @@ def _tables(report: BenchReport, with_plots: bool) -> str:
     parts = []
     for scenario in report.scenarios:
         parts.append(f"### {scenario.name}\n\n{scenario.description}{scenario.sizing}\n\n")
-        parts.append("\n".join(table(_HEADER, map(_cells, scenario.rows))) + "\n")
+        parts.append("\n".join(table(_HEADER, map(_cells, scenario.rows), _RIGHT)) + "\n")
         if with_plots:
             parts.append("\n" + "\n".join(f"![{title}]({path})" for title, path in scenario.plots.items()) + "\n")
         parts.append("\n")

@@ -21,7 +21,7 @@ from kvgate.loadtest.kit.counters import (
     sampling_load,
     wait_kv_events,
 )
-from kvgate.loadtest.kit.processes import ProcessError, start_external, start_gateway, start_sim_fleet, stopping
+from kvgate.loadtest.kit.processes import ProcessError, running, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import ChatLoad, Load
 from kvgate.loadtest.routing.report import (
@@ -152,9 +152,8 @@ async def _replicas(settings: BenchSettings, load: Load, log_dir: Path) -> Async
     async with AsyncExitStack() as stack:
 
         async def started(suffix: str, replicas: int, options: SimOptions) -> list[str]:
-            child, urls = await start_sim_fleet(f"{load.name}-{suffix}", replicas, options, log_dir)
-            stack.push_async_callback(child.stop)
-            return urls
+            sims = start_sim_fleet(f"{load.name}-{suffix}", replicas, options, log_dir)
+            return await stack.enter_async_context(running(sims))
 
         options = settings.fleet_options(load)
         urls = await started("fleet", settings.replicas, options)
@@ -182,15 +181,15 @@ async def _routers(plan: RowPlan, fleet: RunningFleet, log_dir: Path, load: Load
     """Start the row's router processes; yields their base URLs (none for the oracles: traffic goes direct)."""
     async with AsyncExitStack() as stack:
         urls: list[str] = []
-        flags = ([] if plan.policy is None else ["--policy", plan.policy]) + (fleet.precise_flags if plan.precise else [])
+        flags = [] if plan.policy is None else ["--policy", plan.policy]
+        flags += fleet.precise_flags if plan.precise else []
         for index in range(plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0):
             name = f"{load.name}-{plan.name}-{index}".replace(" ", "")
             if plan.kind == KVGATE:
-                child, url = await start_gateway(name, fleet.urls, flags, log_dir)
+                started = start_gateway(name, fleet.urls, flags, log_dir)
             else:
-                child, url = await start_external(name, plan.template or "", fleet.urls, log_dir)
-            stack.push_async_callback(child.stop)
-            urls.append(url)
+                started = start_external(name, plan.template or "", fleet.urls, log_dir)
+            urls.append(await stack.enter_async_context(running(started)))
         yield urls
 
 
@@ -201,8 +200,7 @@ async def _front(load: Load, gateways: list[str], log_dir: Path, label: str) -> 
         yield gateways
         return
     name = f"{label}-front".replace(" ", "").replace("/", "-").replace("#", "")
-    child, url = await start_gateway(name, gateways, ["--policy", FRONT_POLICY], log_dir)
-    async with stopping(child):
+    async with running(start_gateway(name, gateways, ["--policy", FRONT_POLICY], log_dir)) as url:
         yield [url]
 
 

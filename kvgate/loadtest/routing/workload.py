@@ -1,5 +1,5 @@
 """The routing benchmarks' traffic (tenants with long shared system prompts, multi-turn chats; seeded, so every
-row and the locustfile send the same text) and the fleet sizing it implies. Imports nothing heavy: the locustfile uses it."""
+row and the locustfile send the same text) and the fleet sizing it implies. Light: the locustfile imports it."""
 
 from __future__ import annotations
 

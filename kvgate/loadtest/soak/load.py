@@ -162,8 +162,8 @@ class SoakLoad:
 
     async def _abort_mid_stream(self, session: aiohttp.ClientSession) -> str:
         """Read the first event of a stream, then drop the connection."""
-        body = orjson.dumps(self._chat(self._shape.max_tokens))
-        async with session.post(self._url + CHAT_PATH, data=body, headers={"Content-Type": "application/json"}) as answer:
+        body, headers = orjson.dumps(self._chat(self._shape.max_tokens)), {"Content-Type": "application/json"}
+        async with session.post(self._url + CHAT_PATH, data=body, headers=headers) as answer:
             if answer.status != 200:
                 await answer.read()
                 return f"http_{answer.status}"
