@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from kvgate.loadtest.rolling.discovery import PublishedReplica, ReplicaPhase
+from kvgate.loadtest.rolling.fleet import PublishedReplica, ReplicaPhase
 from tests.k8s_api import K8sTestApi, make_slice
 
 # (ready, serving, terminating) as the EndpointSlice controller sets them for each pod phase.

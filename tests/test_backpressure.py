@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvgate.loadtest.soak.slow_reader import SlowReader, post_request
+from kvgate.loadtest.soak.load import SlowReader, post_request
 from tests.harness import RunningGateway, running_gateway, scripted_replica, sse_event, wait_until
 
 CHAT = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}

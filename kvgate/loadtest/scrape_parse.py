@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import timeit
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.endpoints.prometheus_text import select_samples
 from kvgate.endpoints.vllm_metrics import parse_vllm_metrics
 from kvgate.loadtest.kit.report import RunMeta, publish, table
+from kvgate.loadtest.kit.stats import best_microseconds
 from kvgate.loadtest.kit.vllm_metrics_page import EngineLoad, LoraSeries, render_vllm_metrics
 
 _NAMES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting",
@@ -20,11 +20,6 @@ def _full_parse(page: str) -> int:
     """What a scraper that parses every family does: every sample of the page, then pick the wanted ones."""
     return sum(1 for family in text_string_to_metric_families(page) for sample in family.samples
                if sample.name in _NAMES)
-
-
-def _best_us(statement: object, repeat: int) -> float:
-    """Best-of-5 mean microseconds per call of `statement`."""
-    return min(timeit.repeat(statement, number=repeat, repeat=5)) / repeat * 1e6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,13 +37,13 @@ def run(options: argparse.Namespace) -> int:
     if _full_parse(page) != len(select_samples(page, _NAMES)):
         raise RuntimeError("kvgate's parser and prometheus_client's see different samples")
     wanted_lines = "\n".join(line for line in page.splitlines() if line.startswith(_NAMES)) + "\n"
-    ours = _best_us(lambda: parse_vllm_metrics(page, scraped_at=0.0), repeat)
+    ours = best_microseconds(lambda: parse_vllm_metrics(page, scraped_at=0.0), repeat, 5)
     timings = [
         ("kvgate parse_vllm_metrics", ours),
-        ("of which select_samples (find + parse)", _best_us(lambda: select_samples(page, _NAMES), repeat)),
+        ("of which select_samples (find + parse)", best_microseconds(lambda: select_samples(page, _NAMES), repeat, 5)),
         ("prometheus_client on the wanted lines only (parse alone, lines pre-cut)",
-         _best_us(lambda: list(text_string_to_metric_families(wanted_lines)), repeat)),
-        ("prometheus_client full parse", _best_us(lambda: _full_parse(page), max(1, repeat // 20))),
+         best_microseconds(lambda: list(text_string_to_metric_families(wanted_lines)), repeat, 5)),
+        ("prometheus_client full parse", best_microseconds(lambda: _full_parse(page), max(1, repeat // 20), 5)),
     ]
     report = meta.finish(command=options.command, page_kib=round(len(page.encode()) / 1024), lines=page.count("\n"),
                          engines=options.engines, wanted_samples=wanted_lines.count("\n"),

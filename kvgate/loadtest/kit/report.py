@@ -1,8 +1,5 @@
-"""Where every benchmark's results go: NAME.json and NAME.md in the output folder, and its docs section.
-
-A docs section sits between `<!-- bench:SECTION:start -->` and `<!-- bench:SECTION:end -->` in a shared Markdown
-file (docs/benchmarks.md); writing it replaces only that section.
-"""
+"""Where every benchmark's results go: NAME.json and NAME.md in the output folder, and its docs section (between
+`<!-- bench:SECTION:start -->` and `<!-- bench:SECTION:end -->` in docs/benchmarks.md, replaced in place)."""
 
 from __future__ import annotations
 
@@ -56,9 +53,10 @@ class RunMeta:
                 "loadavg_1m": [round(self._load_before, 2), round(os.getloadavg()[0], 2)], **extra}
 
 
-def table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    """A Markdown table's lines."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+def table(header: Sequence[str], rows: Iterable[Sequence[object]], right: Sequence[bool] = ()) -> list[str]:
+    """A Markdown table's lines; columns marked in `right` are right-aligned."""
+    aligns = [right[n] if n < len(right) else False for n in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "|" + "".join("---:|" if r else "---|" for r in aligns)]
     return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Sequence
+import timeit
+from collections.abc import Callable, Iterable, Sequence
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -24,3 +25,13 @@ def spread(values: Sequence[float | None]) -> tuple[float, float, float] | None:
     if not measured:
         return None
     return statistics.median(measured), min(measured), max(measured)
+
+
+def best_microseconds(call: Callable[[], object], number: int, repeat: int) -> float:
+    """The best per-call time of `call` over `repeat` timings of `number` calls each, in microseconds."""
+    return min(timeit.repeat(call, number=number, repeat=repeat)) / number * 1e6
+
+
+def ms(seconds: Iterable[float], q: float, digits: int = 1) -> float:
+    """The q-th percentile of times in seconds, in milliseconds rounded to `digits`; 0 for no values."""
+    return round((percentile(seconds, q) or 0.0) * 1000, digits)

@@ -1,7 +1,5 @@
-"""The benchmarks' streaming client: one streamed (SSE) chat completion, its TTFT, chunks and errors.
-
-`ChatStream` folds the lines of any SSE body (the locustfile reads its own with it); `stream_chat` sends one request.
-"""
+"""The benchmarks' streaming client: one streamed (SSE) chat completion, its TTFT, chunks and errors; `ChatStream`
+folds the lines of any SSE body (the locustfile reads its own with it)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Upstream stub replicas that answer instantly, so a benchmark through kvgate measures kvgate itself.
+"""Stub replicas that answer instantly, so a benchmark through kvgate measures kvgate itself.
 
-Run: python -m kvgate.loadtest.kit.stub --ports 9001,9002
-"""
+Run: python -m kvgate.loadtest.kit.stub --ports 9001,9002"""
 
 from __future__ import annotations
 

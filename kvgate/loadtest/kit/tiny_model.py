@@ -1,11 +1,8 @@
-"""A tiny Llama model directory that vLLM serves offline with random weights (`--load-format dummy`).
+"""A tiny Llama model directory vLLM serves offline with random weights (`--load-format dummy`), generated here the
+same every run: a byte-level BPE tokenizer trained on the standard library's sources, a Llama-3-style chat
+template and a two-layer config. It serves vLLM and any kvgate component that must tokenize as vLLM does.
 
-Everything is generated here, deterministically: a byte-level BPE tokenizer trained with HF `tokenizers`
-on the Python standard library's sources, `tokenizer_config.json` with a Llama-3-style chat template, and a two-layer
-`config.json`. The same directory serves vLLM and any kvgate component that must tokenize as vLLM does.
-
-Run: python -m kvgate.loadtest.kit.tiny_model DIR
-"""
+Run: python -m kvgate.loadtest.kit.tiny_model DIR"""
 
 from __future__ import annotations
 

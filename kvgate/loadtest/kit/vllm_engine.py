@@ -1,11 +1,6 @@
-"""Real vLLM OpenAI servers (the CPU build) on loopback, for the real-engine suite and benchmarks.
-
-Each engine is its own process group, pinned to one core, with every temporary file (IPC sockets, caches,
-the torch inductor cache, its log) inside a directory of the caller's; `stop` sends SIGTERM, then SIGKILL. (No
-parent-death signal: Linux ties it to the starting thread, and engines restarted from a worker thread would die
-with that thread.)
-The interpreter comes from `KVGATE_VLLM_PYTHON` (`./dev real` creates `.venv-vllm` and sets it).
-"""
+"""Real vLLM OpenAI servers (the CPU build, from $KVGATE_VLLM_PYTHON: `./dev real` sets it) on loopback: each its own
+process group pinned to one core, every file it writes under the caller's directory. (No parent-death signal: Linux
+ties it to the starting thread, and engines restarted from a worker thread would die with that thread.)"""
 
 from __future__ import annotations
 

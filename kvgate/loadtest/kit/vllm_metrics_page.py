@@ -1,8 +1,5 @@
-"""Builds realistic vLLM `/metrics` pages (V1 engine families, HTTP and process metrics) for tests and benchmarks.
-
-The page is rendered by prometheus_client itself, so its format (HELP/TYPE lines, `_created` series,
-histogram buckets) is exactly what a vLLM server built on that library prints.
-"""
+"""Realistic vLLM `/metrics` pages (V1 engine families, HTTP and process metrics) for tests and benchmarks, rendered
+by prometheus_client itself as a vLLM server built on it prints them."""
 
 from __future__ import annotations
 

@@ -13,12 +13,77 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.loadtest.kit.report import RunMeta, publish
-from kvgate.loadtest.overhead.load import LoadSpec
-from kvgate.loadtest.overhead.profile import py_spy_path
-from kvgate.loadtest.overhead.report import render_markdown
-from kvgate.loadtest.overhead.runs import running_rig
-from kvgate.loadtest.overhead.wrk import wrk_available
+from kvgate.loadtest.kit.report import RunMeta, publish, table
+from kvgate.loadtest.overhead.client import LoadSpec
+from kvgate.loadtest.overhead.rig import py_spy_path, running_rig, wrk_available
+
+_COMPARISON = ("load", "generator", "direct req/s", "via kvgate req/s", "ratio", "direct p50 ms", "added p50 ms",
+               "direct p99 ms", "added p99 ms", "errors", "kvgate CPU busy", "bound by")
+
+
+def _comparison_row(row: dict[str, Any]) -> tuple[object, ...]:
+    direct, kvgate = row["direct"], row["kvgate"]
+    return (row["name"], kvgate["generator"], f"{direct['rps']:.0f}", f"{kvgate['rps']:.0f}", f"{row['rps_ratio']:.2f}",
+            f"{direct['p50_ms']:.2f}", f"{row['added_p50_ms']:+.2f}", f"{direct['p99_ms']:.2f}",
+            f"{row['added_p99_ms']:+.2f}", direct["errors"] + kvgate["errors"], f"{kvgate['busy']['kvgate']:.0%}",
+            row["bound"])
+
+
+def _stream_cpu_table(cpu: dict[str, Any]) -> list[str]:
+    ratio = "n/a" if cpu["kvgate_over_stub"] is None else f"{cpu['kvgate_over_stub']:.2f}"
+    return table(("streamed chunks", "wall s", "kvgate CPU s / 10k chunks", "stub CPU s / 10k chunks", "kvgate / stub"),
+                 [(cpu["chunks"], f"{cpu['wall_s']:.1f}", f"{cpu['kvgate_cpu_s_per_10k_chunks']:.3f}",
+                   f"{cpu['stub_cpu_s_per_10k_chunks']:.3f}", ratio)])
+
+
+def _profile_lines(profiles: dict[str, Any]) -> list[str]:
+    lines = []
+    for load, profile in profiles.items():
+        if profile is None:
+            lines.append(f"- {load}: no profile (py-spy missing or not permitted)")
+            continue
+        own = ", ".join(f"`{frame}` {share:.0%}" for frame, share in profile["top_self"][:6])
+        ours = ", ".join(f"`{frame}` {share:.0%}" for frame, share in profile["top_by_kvgate_caller"][:6])
+        lines.append(f"- {load} ({profile['samples']} busy samples). Self time: {own}.")
+        lines.append(f"  By the deepest kvgate function on the stack (the library work it calls included): {ours}.")
+    return lines
+
+
+def limits_sentence(report: dict[str, Any]) -> str:
+    """Which process bounded the closed-loop runs through kvgate, in one sentence."""
+    bounds = [row["bound"] for row in report["rows"] if row["spec"]["rate"] == 0 and row["spec"]["concurrency"] > 1]
+    by_kvgate = bounds.count("kvgate CPU")
+    generator = report["meta"]["closed_loop_generator"]
+    return (f"{by_kvgate} of {len(bounds)} closed-loop runs through kvgate were bound by kvgate's own CPU core "
+            f"(busy >= 85%); the rest by the core shared by the {generator} load generator and the stub replicas, "
+            f"so there kvgate's throughput is a lower bound. Open-loop and single-request rows measure latency only.")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown: settings, comparison table, streaming CPU, profile, what limits the result."""
+    meta = report["meta"]
+    lines = [
+        "### kvgate's own overhead",
+        "",
+        f"Measured {meta['date']} by `{meta['command']}` "
+        f"on {meta['cpus']} CPUs ({meta['pinning']}). Replicas are instant stubs "
+        f"(`kvgate/loadtest/kit/stub.py`), {meta['replicas']} in one process; direct runs hit the first one, "
+        f"kvgate (`--policy {meta['policy']}`) spreads over all. Each direct run is followed at once by the same "
+        f"load through kvgate ({meta['repeats']} pairs per row, each side keeps its least disturbed run); bodies are {meta['body_bytes']} B chat requests, {meta['variants']} distinct prompts. "
+        f"1-minute load average before/after: {meta['loadavg_1m'][0]}/{meta['loadavg_1m'][1]} (the machine is shared).",
+        "",
+        *table(_COMPARISON, map(_comparison_row, report["rows"])),
+        "",
+        "CPU to relay streamed chunks (kvgate's process vs the stub that produced them, same run):",
+        "",
+        *_stream_cpu_table(report["stream_cpu"]),
+        "",
+        f"What limits the result: {limits_sentence(report)}",
+    ]
+    if report.get("profiles"):
+        lines += ["", "Where kvgate's CPU goes (py-spy, share of busy samples):", "", *_profile_lines(report["profiles"])]
+    return "\n".join(lines) + "\n"
+
 
 BODY_BYTES = 4096
 LARGE_BODY_BYTES = 200 * 1024
@@ -51,23 +116,17 @@ QUICK = Plan(closed_s=0.7, warmup_s=0.2, open_s=1, serial_requests=40, large_req
 def comparison_specs(plan: Plan) -> list[tuple[str, LoadSpec, bool]]:
     """(row name, load, whether it is a closed loop the chosen generator runs) for each comparison row."""
     base = LoadSpec(url="", body_bytes=BODY_BYTES, chunks=STREAM_CHUNKS, warmup_s=plan.warmup_s)
-    rows = []
-    for stream in (False, True):
-        for concurrency in (32, 128):
-            kind = f"streamed ({STREAM_CHUNKS} chunks)" if stream else "non-streaming"
-            spec = LoadSpec(**{**base.to_json(), "stream": stream, "concurrency": concurrency,
-                               "duration_s": plan.closed_s})
-            rows.append((f"4 KB chat, {kind}, {concurrency} concurrent", spec, True))
-    serial = {"concurrency": 1, "duration_s": 120.0}
-    rows += [
+    serial = dataclasses.replace(base, concurrency=1, duration_s=120.0)
+    rows = [(f"4 KB chat, {f'streamed ({STREAM_CHUNKS} chunks)' if stream else 'non-streaming'}, {concurrency} "
+             "concurrent", dataclasses.replace(base, stream=stream, concurrency=concurrency, duration_s=plan.closed_s),
+             True) for stream in (False, True) for concurrency in (32, 128)]
+    return rows + [
         (f"4 KB chat, open loop {OPEN_LOOP_RATE:.0f} req/s",
-         LoadSpec(**{**base.to_json(), "rate": OPEN_LOOP_RATE, "duration_s": plan.open_s}), False),
-        ("4 KB chat, one at a time", LoadSpec(**{**base.to_json(), **serial, "max_requests": plan.serial_requests}),
-         False),
-        ("200 KB chat, one at a time", LoadSpec(**{**base.to_json(), **serial, "body_bytes": LARGE_BODY_BYTES,
-                                                   "variants": 16, "max_requests": plan.large_requests}), False),
+         dataclasses.replace(base, rate=OPEN_LOOP_RATE, duration_s=plan.open_s), False),
+        ("4 KB chat, one at a time", dataclasses.replace(serial, max_requests=plan.serial_requests), False),
+        ("200 KB chat, one at a time", dataclasses.replace(serial, body_bytes=LARGE_BODY_BYTES, variants=16,
+                                                           max_requests=plan.large_requests), False),
     ]
-    return rows
 
 
 def stream_cpu_spec(plan: Plan) -> LoadSpec:
@@ -87,9 +146,9 @@ async def run_benchmark(plan: Plan, generator: str, profile: bool, scratch: Path
     """Start the rig, run every part, and return the report as JSON-ready data."""
     run = RunMeta()
     async with running_rig(REPLICAS, POLICY, scratch) as rig:
-        rows = [rig.compare(name, spec, generator if closed else "python", plan.repeats).to_json()
+        rows = [rig.compare(name, spec, generator if closed else "python", plan.repeats)
                 for name, spec, closed in comparison_specs(plan)]
-        stream_cpu = rig.stream_cpu(stream_cpu_spec(plan)).to_json()
+        stream_cpu = rig.stream_cpu(stream_cpu_spec(plan))
         profiles: dict[str, Any] = {}
         py_spy = py_spy_path()
         if profile and plan.profile_s and py_spy:

@@ -1,9 +1,5 @@
-"""`kvgate bench burst`: many streams opened at once on an idle fleet with room to spare, through each router.
-
-Admission must not hold a request the fleet can take now: the time to the first token of the burst through
-kvgate (as it starts, no configuration) is compared with the same burst through other routers (--external),
-in the same run.
-"""
+"""`kvgate bench burst`: many streams opened at once on an idle fleet with room to spare; admission must not hold a
+request the fleet can take now, so kvgate's TTFT is compared with other routers' (--external) in the same run."""
 
 from __future__ import annotations
 
@@ -15,7 +11,8 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.loadtest.kit.processes import start_external, start_gateway, start_sim_fleet, stopping
+from kvgate.loadtest.cli import external_router
+from kvgate.loadtest.kit.processes import running, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.report import RunMeta, publish, table
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import stream_chat
@@ -30,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The burst's size, the rounds and the routers to compare with."""
     parser.add_argument("--streams", type=int, default=1000, help="streams opened at once")
     parser.add_argument("--rounds", type=int, default=3, help="bursts through each router, in turn")
-    parser.add_argument("--external", action="append", default=[], metavar="NAME=TEMPLATE",
+    parser.add_argument("--external", type=external_router, action="append", default=[], metavar="NAME=TEMPLATE",
                         help="another router's command line; {workers} becomes the replica URLs separated by "
                              "spaces, {port} its listen port (repeatable)")
 
@@ -53,15 +50,12 @@ async def _measure(options: argparse.Namespace) -> dict[str, Any]:
     log_dir = options.out / "logs"
     streams, rounds = (50, 1) if options.quick else (options.streams, options.rounds)
     async with contextlib.AsyncExitStack() as stack:
-        fleet, workers = await start_sim_fleet("burst-sim", 3, ROOMY, log_dir)
-        await stack.enter_async_context(stopping(fleet))
-        gateway, url = await start_gateway("burst-kvgate", workers, [], log_dir)
-        await stack.enter_async_context(stopping(gateway))
-        routers = {"kvgate": url}
-        for spec in options.external:
-            name, _, template = spec.partition("=")
-            child, routers[name] = await start_external(f"burst-{name}", template, workers, log_dir)
-            await stack.enter_async_context(stopping(child))
+        workers = await stack.enter_async_context(running(start_sim_fleet("burst-sim", 3, ROOMY, log_dir)))
+        routers = {"kvgate": await stack.enter_async_context(running(start_gateway("burst-kvgate", workers, [],
+                                                                                  log_dir)))}
+        for name, template in options.external:
+            started = start_external(f"burst-{name}", template, workers, log_dir)
+            routers[name] = await stack.enter_async_context(running(started))
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in routers}
         for _, (name, target) in itertools.product(range(rounds), routers.items()):
             rows[name].append(await burst(target, streams, ROOMY.models[0]))

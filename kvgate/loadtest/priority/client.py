@@ -1,10 +1,11 @@
-"""The open-loop load generator: requests sent on a Poisson schedule whatever the answers do, over aiohttp."""
+"""The priority benchmark's load: Poisson arrivals of interactive and batch requests, sent whatever the answers do."""
 
 from __future__ import annotations
 
 import asyncio
 import enum
 import itertools
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -12,13 +13,59 @@ import aiohttp
 import orjson
 
 from kvgate.loadtest.kit.stream import CHAT_PATH, ChatStream
-from kvgate.loadtest.priority.workload import INTERACTIVE, Arrival
 
+INTERACTIVE = "interactive"
+BATCH = "batch"
+_PROMPT_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
 _DETAIL_CHARS = 160
 # No per-request timeout: the run's drain cap bounds every request, and one still open then counts as lost.
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
 
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of the schedule: when it is sent (seconds after the run starts) and its class."""
+
+    index: int
+    at: float
+    priority: str
+    lead_in: bool = False  # sent before the flood, while interactive traffic alone was flowing
+
+
 BodyFor = Callable[[Arrival], bytes]  # the request's body
+
+
+def poisson_arrivals(rate: float, duration: float, batch_fraction: float, seed: int,
+                     lead_in_s: float = 0.0) -> list[Arrival]:
+    """Poisson arrivals at `rate` req/s for `duration` s, each batch with `batch_fraction`, after `lead_in_s` s of
+    the interactive share alone (the flood lands on interactive traffic already flowing)."""
+    rng = random.Random(seed)
+    arrivals: list[Arrival] = []
+    at = rng.expovariate(rate)
+    while at < lead_in_s + duration:
+        priority = BATCH if rng.random() < batch_fraction else INTERACTIVE
+        if at >= lead_in_s or priority == INTERACTIVE:
+            arrivals.append(Arrival(len(arrivals), at, priority, lead_in=at < lead_in_s))
+        at += rng.expovariate(rate)
+    return arrivals
+
+
+def output_tokens(index: int, mean: int) -> int:
+    """Request `index`'s output length: uniform over mean/2 .. 3 mean/2, as real answers vary (fixed per index)."""
+    return random.Random(index).randint(mean // 2, output_tokens_max(mean))
+
+
+def output_tokens_max(mean: int) -> int:
+    """The longest output `output_tokens` gives for `mean`."""
+    return mean + mean // 2
+
+
+def request_body(model: str, index: int, prompt_words: int, max_tokens: int, stream: bool = True) -> bytes:
+    """A chat completion whose prompt differs from the first word (no request hits another's cache), of
+    `output_tokens(index, max_tokens)` tokens."""
+    words = " ".join(_PROMPT_WORDS[(index + i) % len(_PROMPT_WORDS)] for i in range(prompt_words))
+    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": f"request {index}: {words}"}],
+                         "max_tokens": output_tokens(index, max_tokens), "stream": stream})
 
 
 class Outcome(enum.StrEnum):
@@ -42,13 +89,16 @@ class Sample:
     finished_at: float | None = None  # end of the response, after the run's start
     retry_after: str | None = None
     detail: str = ""
-    lead_in: bool = False  # sent before the flood (workload.Arrival.lead_in)
+    lead_in: bool = False  # sent before the flood (Arrival.lead_in)
 
 
-async def _read_stream(response: aiohttp.ClientResponse, start: float) -> tuple[float | None, str]:
-    """Read an SSE answer to its end: the time to its first content delta, and what went wrong ('' if nothing)."""
-    loop = asyncio.get_running_loop()
-    reply = ChatStream(loop.time)
+async def _read(response: aiohttp.ClientResponse, start: float) -> tuple[float | None, str]:
+    """Read a 200 answer, streamed or whole: the time to its first content delta, and what went wrong ('' if
+    nothing)."""
+    if response.content_type != "text/event-stream":
+        answer = orjson.loads(await response.read())
+        return None, "" if answer.get("choices") else f"answer without choices: {str(answer)[:_DETAIL_CHARS]}"
+    reply = ChatStream(asyncio.get_running_loop().time)
     async for line in response.content:
         reply.feed(line)
         if reply.error is not None:
@@ -57,53 +107,38 @@ async def _read_stream(response: aiohttp.ClientResponse, start: float) -> tuple[
     return (reply.delta_times[0] - start if reply.delta_times else None), reply.error or ""
 
 
-async def _read_whole(response: aiohttp.ClientResponse) -> str:
-    """Read a plain JSON answer: what went wrong with it ('' if nothing)."""
-    answer = orjson.loads(await response.read())
-    return "" if answer.get("choices") else f"answer without choices: {str(answer)[:_DETAIL_CHARS]}"
-
-
 async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body: bytes, run_start: float) -> Sample:
     """Send one request with its class in `x-priority` and classify the answer, streamed or whole."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     lag = start - run_start - arrival.at
-    headers = {"Content-Type": "application/json", "x-priority": arrival.priority}
     status: int | None = None
     try:
-        async with session.post(url + CHAT_PATH, data=body, headers=headers) as response:
+        async with session.post(url + CHAT_PATH, data=body, headers={"Content-Type": "application/json",
+                                                                     "x-priority": arrival.priority}) as response:
             status = response.status
-            if status == 200 and response.content_type == "text/event-stream":
-                ttft, detail = await _read_stream(response, start)
-                outcome = Outcome.ERROR if detail else Outcome.OK
-            elif status == 200:
-                ttft, detail = None, await _read_whole(response)
+            if status == 200:
+                ttft, detail = await _read(response, start)
                 outcome = Outcome.ERROR if detail else Outcome.OK
             else:
                 ttft, detail = None, f"HTTP {status}: {(await response.text())[:_DETAIL_CHARS]}"
                 outcome = Outcome.SHED if status == 429 else Outcome.ERROR
-            retry_after = response.headers.get("Retry-After")
     except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
         # A failure before any status is a request left without an answer; after it, a broken answer.
-        outcome = Outcome.LOST if status is None else Outcome.ERROR
-        return Sample(arrival.priority, outcome, lag, detail=f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}",
-                      lead_in=arrival.lead_in)
+        return Sample(arrival.priority, Outcome.LOST if status is None else Outcome.ERROR, lag,
+                      detail=f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}", lead_in=arrival.lead_in)
     end = loop.time()
-    return Sample(arrival.priority, outcome, lag, ttft, end - start, end - run_start, retry_after, detail,
-                  arrival.lead_in)
+    return Sample(arrival.priority, outcome, lag, ttft, end - start, end - run_start,
+                  response.headers.get("Retry-After"), detail, arrival.lead_in)
 
 
 async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float) -> list[Sample]:
-    """Send every arrival on schedule, then wait at most `drain_cap` seconds for the ones still open.
-
-    Requests still open at the cap (unanswered or mid-stream) are cancelled and count as lost; the samples keep
-    the arrivals' order.
-    """
+    """Send every arrival on schedule, then wait at most `drain_cap` seconds for the ones still open; those still
+    open then (unanswered or mid-stream) are cancelled and count as lost. The samples keep the arrivals' order."""
     if not arrivals:
         return []
     loop = asyncio.get_running_loop()
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=_SESSION_TIMEOUT) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=_SESSION_TIMEOUT) as session:
         run_start = loop.time()
         tasks: list[asyncio.Task[Sample]] = []
         for arrival in arrivals:
@@ -116,19 +151,16 @@ async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor
         await asyncio.gather(*pending, return_exceptions=True)
     unanswered = f"no response within the {drain_cap:.0f} s drain cap"
     return [Sample(arrival.priority, Outcome.LOST, 0.0, detail=unanswered, lead_in=arrival.lead_in)
-            if task in pending else task.result()
-            for arrival, task in zip(arrivals, tasks, strict=True)]
+            if task in pending else task.result() for arrival, task in zip(arrivals, tasks, strict=True)]
 
 
 async def measure_throughput(urls: Sequence[str], concurrency: int, warmup: float, duration: float,
                              body_for: BodyFor) -> float:
     """Completed requests per second with `concurrency` requests always open (closed loop) across `urls`."""
     loop = asyncio.get_running_loop()
-    targets = itertools.cycle(urls)
-    indexes = itertools.count()
+    targets, indexes = itertools.cycle(urls), itertools.count()
     completions: list[float] = []
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, timeout=_SESSION_TIMEOUT) as session:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=_SESSION_TIMEOUT) as session:
         start = loop.time()
         deadline = start + warmup + duration
 
@@ -141,5 +173,4 @@ async def measure_throughput(urls: Sequence[str], concurrency: int, warmup: floa
                 completions.append(loop.time())
 
         await asyncio.gather(*(user() for _ in range(concurrency)))
-    measured = [t for t in completions if start + warmup <= t < deadline]
-    return len(measured) / duration
+    return len([t for t in completions if start + warmup <= t < deadline]) / duration

@@ -1,10 +1,125 @@
-"""The priority benchmark's Markdown report."""
+"""What a priority run saw: where requests waited, per class outcomes and latencies, the verdict, and the report."""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvgate.loadtest.priority.summary import BATCH_THROUGHPUT_TOLERANCE, TTFT_RATIO_AIM, TTFT_RATIO_LIMIT
+import aiohttp
+
+from kvgate.loadtest.kit.counters import read_stats
+from kvgate.loadtest.kit.report import table
+from kvgate.loadtest.kit.stats import ms
+from kvgate.loadtest.priority.client import BATCH, INTERACTIVE, Outcome, Sample
+
+TTFT_RATIO_LIMIT = 2.0  # interactive TTFT p99 under overload against unloaded: the target
+TTFT_RATIO_AIM = 1.5
+BATCH_THROUGHPUT_TOLERANCE = 0.95  # run-to-run noise allowed before "no lower than FIFO" fails
+
+
+@dataclass(slots=True)
+class QueueSamples:
+    """Where requests wait while the load is on: inside the replicas (/sim/stats), in kvgate's queue, stale scrapes."""
+
+    waiting: list[int] = field(default_factory=list)
+    gateway_queue: list[int] = field(default_factory=list)
+    stale: list[bool] = field(default_factory=list)
+
+    async def sample(self, session: aiohttp.ClientSession, gateway_url: str, replica_urls: Sequence[str]) -> None:
+        """One sample of every replica and of kvgate's /debug/fleet."""
+        stats = await read_stats(session, replica_urls)
+        async with session.get(gateway_url + "/debug/fleet") as response:
+            fleet = await response.json()
+        self.waiting += [int(replica["waiting"]) for replica in stats]
+        self.gateway_queue.append(int(fleet["queue"]["waiting"]))
+        self.stale += [bool(endpoint["metrics"]["stale"]) for endpoint in fleet["endpoints"]]
+
+    def summary(self) -> dict[str, Any]:
+        """Samples taken, replica queue mean (per replica) and max, kvgate's queue max, and the share of (sample,
+        replica) pairs judged on stale metrics (headroom then counts only what was sent since the last good scrape)."""
+        return {"samples": len(self.gateway_queue),
+                "replica_waiting_mean": round(statistics.fmean(self.waiting), 1) if self.waiting else 0.0,
+                "replica_waiting_max": max(self.waiting, default=0),
+                "gateway_queue_max": max(self.gateway_queue, default=0),
+                "stale_fraction": round(sum(self.stale) / len(self.stale), 3) if self.stale else 0.0}
+
+
+@dataclass(frozen=True, slots=True)
+class ClassStats:
+    """Outcomes and latencies of one priority class in one run; latencies in ms, of successful requests."""
+
+    sent: int
+    ok: int
+    shed: int
+    errors: int
+    lost: int
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p99_ms: float
+    first_problem: str = ""
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample]) -> ClassStats:
+        """Summarise the samples of one class: every one counts, latencies only of those sent during the flood."""
+        count = {outcome: sum(1 for s in samples if s.outcome is outcome) for outcome in Outcome}
+        ok = [s for s in samples if s.outcome is Outcome.OK and not s.lead_in]
+        ttfts = [s.ttft for s in ok if s.ttft is not None]
+        problem = next((s.detail for s in samples if s.outcome in (Outcome.ERROR, Outcome.LOST)), "")
+        return cls(len(samples), count[Outcome.OK], count[Outcome.SHED], count[Outcome.ERROR], count[Outcome.LOST],
+                   ms(ttfts, 50), ms(ttfts, 99), ms([s.e2e for s in ok if s.e2e is not None], 99), problem)
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """One run: its load, what each class saw, and how the gateway admitted requests."""
+
+    key: str
+    title: str
+    offered_rps: float
+    duration_s: float
+    wall_s: float  # from the flood's start to the last answer (the run plus its drain)
+    interactive: ClassStats
+    batch: ClassStats
+    send_lag_p99_ms: float  # how far the generator fell behind its schedule
+    queues: dict[str, Any]  # QueueSamples.summary()
+    gateway: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def batch_throughput(self) -> float:
+        """Batch requests completed per second of the run including its drain."""
+        return self.batch.ok / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        """The result as plain JSON, with the derived throughput, preemptions and interactive wait in kvgate."""
+        count = self.gateway.get(f"wait_seconds_count{{priority_class={INTERACTIVE}}}", 0.0)
+        wait_s = self.gateway.get(f"wait_seconds_sum{{priority_class={INTERACTIVE}}}", 0.0) / count if count else 0.0
+        return {**asdict(self), "batch_throughput": round(self.batch_throughput, 2),
+                "batch_preempted": int(self.gateway.get(f"preempted_total{{priority_class={BATCH}}}", 0.0)),
+                "interactive_kvgate_wait_ms": round(1000 * wait_s, 1)}
+
+
+def summarise(key: str, title: str, offered_rps: float, duration_s: float, samples: Sequence[Sample],
+              queues: dict[str, Any], gateway: dict[str, float], lead_in_s: float = 0.0) -> RunResult:
+    """Build a run's result from its samples; times count from the flood's start, `lead_in_s` into the run."""
+    ends = [s.finished_at - lead_in_s for s in samples if s.finished_at is not None]
+    return RunResult(
+        key, title, round(offered_rps, 1), duration_s, round(max(ends, default=duration_s), 2),
+        ClassStats.of([s for s in samples if s.priority == INTERACTIVE]),
+        ClassStats.of([s for s in samples if s.priority == BATCH]), ms([s.lag for s in samples], 99), queues, gateway)
+
+
+def verdict(run: RunResult, unloaded: RunResult, fifo: RunResult | None) -> dict[str, Any]:
+    """Judge a row with admission control: interactive TTFT p99 against unloaded, every request answered (200 or
+    429), batch throughput against the FIFO row's."""
+    base = unloaded.interactive.ttft_p99_ms
+    ratio = run.interactive.ttft_p99_ms / base if base > 0 else float("inf")
+    answered = all(stats.errors == 0 and stats.lost == 0 for stats in (run.interactive, run.batch))
+    batch_ratio = run.batch_throughput / fifo.batch_throughput if fifo and fifo.batch_throughput > 0 else float("nan")
+    ttft_ok, batch_ok = ratio <= TTFT_RATIO_LIMIT, fifo is None or batch_ratio >= BATCH_THROUGHPUT_TOLERANCE
+    return {"key": run.key, "ttft_ratio": round(ratio, 2), "ttft_ok": ttft_ok, "all_answered": answered,
+            "batch_ratio": round(batch_ratio, 3), "batch_ok": batch_ok, "passed": ttft_ok and answered and batch_ok}
 
 
 def _mark(passed: bool) -> str:
@@ -15,44 +130,28 @@ def _counts(stats: dict[str, Any]) -> str:
     return f"{stats['ok']} / {stats['shed']} / {stats['errors']} / {stats['lost']}"
 
 
-def _table(report: dict[str, Any]) -> list[str]:
-    """One line per run: interactive latency, outcomes of both classes, batch throughput, where requests waited."""
-    base = report["unloaded"]["interactive"]["ttft_p99_ms"]
-    lines = [
-        "| run | interactive TTFT p50 / p99 (ms) | p99 vs unloaded | interactive e2e p99 (ms) "
-        "| interactive ok / 429 / err / lost | batch ok / 429 / err / lost | batch req/s | batch preempted | replica queue mean / max "
-        "| kvgate queue max | interactive mean wait in kvgate (ms) | stale scrapes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for run in [report["unloaded"], *report["runs"]]:
-        inter, batch, queues = run["interactive"], run["batch"], run["queues"]
-        ratio = inter["ttft_p99_ms"] / base if base else float("inf")
-        name = run["key"] if run["key"] == "unloaded" else f"({run['key']})"
-        lines.append(
-            f"| {name} {run['title']}, {run['offered_rps']} req/s | {inter['ttft_p50_ms']:.0f} / "
-            f"{inter['ttft_p99_ms']:.0f} | {ratio:.1f}x | {inter['e2e_p99_ms']:.0f} | {_counts(inter)} | "
-            f"{_counts(batch)} | {run['batch_throughput']:.1f} | {run['batch_preempted']} | {queues['replica_waiting_mean']} / "
-            f"{queues['replica_waiting_max']} | {queues['gateway_queue_max']} | "
-            f"{run['interactive_kvgate_wait_ms']:.0f} | {queues['stale_fraction']:.0%} |")
-    return lines
+_HEADER = ("run", "interactive TTFT p50 / p99 (ms)", "p99 vs unloaded", "interactive e2e p99 (ms)",
+           "interactive ok / 429 / err / lost", "batch ok / 429 / err / lost", "batch req/s", "batch preempted",
+           "replica queue mean / max", "kvgate queue max", "interactive mean wait in kvgate (ms)", "stale scrapes")
 
 
-def _verdict_lines(report: dict[str, Any]) -> list[str]:
-    """Each target for each run with admission control."""
-    lines = []
-    for v in report["verdicts"]:
-        lines.append(
-            f"- ({v['key']}) {_mark(v['passed'])}: interactive TTFT p99 {v['ttft_ratio']}x unloaded "
-            f"(target <= {TTFT_RATIO_LIMIT}x, aim {TTFT_RATIO_AIM}x) {_mark(v['ttft_ok'])}; every request answered "
-            f"(200 or 429) {_mark(v['all_answered'])}; batch throughput {v['batch_ratio']}x FIFO's (b) "
-            f"(target >= {BATCH_THROUGHPUT_TOLERANCE}) {_mark(v['batch_ok'])}.")
-    return lines
+def _row(run: dict[str, Any], base: float) -> tuple[str, ...]:
+    """One run: interactive latency, outcomes of both classes, batch throughput, where requests waited."""
+    inter, queues = run["interactive"], run["queues"]
+    name = run["key"] if run["key"] == "unloaded" else f"({run['key']})"
+    return (f"{name} {run['title']}, {run['offered_rps']} req/s",
+            f"{inter['ttft_p50_ms']:.0f} / {inter['ttft_p99_ms']:.0f}",
+            f"{inter['ttft_p99_ms'] / base if base else float('inf'):.1f}x", f"{inter['e2e_p99_ms']:.0f}",
+            _counts(inter), _counts(run["batch"]), f"{run['batch_throughput']:.1f}", str(run["batch_preempted"]),
+            f"{queues['replica_waiting_mean']} / {queues['replica_waiting_max']}", str(queues["gateway_queue_max"]),
+            f"{run['interactive_kvgate_wait_ms']:.0f}", f"{queues['stale_fraction']:.0%}")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as Markdown: setup, capacity, the table, and pass/fail per target."""
     plan, capacity, meta = report["plan"], report["capacity"], report["meta"]
     sim = plan["sim"]
+    base = report["unloaded"]["interactive"]["ttft_p99_ms"]
     lines = [
         "### Priority classes under overload",
         "",
@@ -66,8 +165,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "as batch jobs do (streamed in row f).",
         "",
         f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
-        f"always open directly against the replicas, {plan['capacity_s']} s after a {plan['capacity_warmup_s']} s warm-up, "
-        f"the longest request's time); {capacity['derived_rps']} req/s from the "
+        f"always open directly against the replicas, {plan['capacity_s']} s after a {plan['capacity_warmup_s']} s "
+        f"warm-up, the longest request's time); {capacity['derived_rps']} req/s from the "
         f"simulator's timing model (the difference is CPU contention on this machine). Loads below are multiples "
         f"of the measured value.",
         "",
@@ -78,13 +177,19 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"flowing), then up to {plan['drain_cap_s']:.0f} s for open requests to finish (a request still open then "
         f"counts as lost). TTFT is the time to the first content chunk, of requests sent during the flood; every "
         f"request counts in ok / 429 / err / lost. Batch req/s counts completed batch requests from the flood's "
-        f"start to the end of its drain; batch preempted counts the times kvgate took a batch request's seat back for an "
-        f"interactive one (it then queued again). Replica queue: requests waiting inside the replicas (`/sim/stats`), kvgate queue: its "
-        f"admission queue, stale scrapes: share of samples where kvgate judged a replica on stale metrics "
-        f"(headroom then counts only what was sent since the last good scrape); all sampled every 0.5 s while the load was on.",
+        f"start to the end of its drain; batch preempted counts the times kvgate took a batch request's seat back "
+        f"for an interactive one (it then queued again). Replica queue: requests waiting inside the replicas "
+        f"(`/sim/stats`), kvgate queue: its admission queue, stale scrapes: share of samples where kvgate judged a "
+        f"replica on stale metrics (headroom then counts only what was sent since the last good scrape); all "
+        f"sampled every 0.5 s while the load was on.",
         "",
-        *_table(report),
+        *table(_HEADER, [_row(run, base) for run in [report["unloaded"], *report["runs"]]]),
         "",
-        *_verdict_lines(report),
     ]
+    for v in report["verdicts"]:  # each target for each run with admission control
+        lines.append(
+            f"- ({v['key']}) {_mark(v['passed'])}: interactive TTFT p99 {v['ttft_ratio']}x unloaded "
+            f"(target <= {TTFT_RATIO_LIMIT}x, aim {TTFT_RATIO_AIM}x) {_mark(v['ttft_ok'])}; every request answered "
+            f"(200 or 429) {_mark(v['all_answered'])}; batch throughput {v['batch_ratio']}x FIFO's (b) "
+            f"(target >= {BATCH_THROUGHPUT_TOLERANCE}) {_mark(v['batch_ok'])}.")
     return "\n".join(lines) + "\n"

@@ -6,12 +6,131 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import aiohttp
+
+from kvgate.loadtest.kit.counters import metric_samples, sampling
+from kvgate.loadtest.kit.processes import running, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
-from kvgate.loadtest.priority.bench import Plan, run_benchmark
-from kvgate.loadtest.priority.report import render_markdown
-from kvgate.loadtest.priority.rows import ROWS
+from kvgate.loadtest.priority.client import (
+    INTERACTIVE,
+    Arrival,
+    BodyFor,
+    measure_throughput,
+    output_tokens_max,
+    poisson_arrivals,
+    request_body,
+    run_open_loop,
+)
+from kvgate.loadtest.priority.report import QueueSamples, RunResult, render_markdown, summarise, verdict
 from kvgate.simulator import SimOptions
+
+# Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.
+NO_ADMISSION_FLAGS = ("--saturation-queue", "1000000", "--saturation-seated-queue", "1000000",
+                      "--saturation-kv-cache", "1.0", "--admission-reserve", "batch=0", "--admission-preemptible", "")
+_ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds",
+                      "kvgate_admission_preempted")
+_QUEUE_SAMPLE_SECONDS = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    """One configuration of gateway and replicas measured under the same overload."""
+
+    key: str
+    title: str
+    policy: str = "cache-aware"
+    admission: bool = True
+    upstream_priority: bool = True  # kvgate sets vLLM's `priority`; the replicas order their queue by it
+    seats_learned: bool = False  # kvgate learns the replicas' max_num_seqs from /metrics instead of being told it
+    no_config: bool = False  # `kvgate serve --endpoints ...` and nothing else: kvgate's defaults, seats learned
+    batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
+
+    def gateway_flags(self, sim: SimOptions) -> list[str]:
+        """`kvgate serve` flags of this row in front of replicas run with `sim`, besides listen and endpoints."""
+        if self.no_config:
+            return []
+        flags = ["--policy", self.policy]
+        if not self.admission:
+            flags += NO_ADMISSION_FLAGS
+        elif not self.seats_learned:  # as the manifests in deploy/ do
+            flags += ["--saturation-seats", str(sim.max_num_seqs)]
+        return flags + (["--upstream-priority", "true"] if self.upstream_priority else [])
+
+    def sim_options(self, base: SimOptions) -> SimOptions:
+        """Replica settings of this row: `base`, with priority scheduling when kvgate sends priorities."""
+        return dataclasses.replace(base, priority_scheduling=self.upstream_priority)
+
+
+ADMISSION = RowSpec("a", "cache-aware + admission control as deploy/ ships it: max_num_seqs configured, "
+                         "upstream priority")
+FIFO = RowSpec("b", "cache-aware, FIFO (no admission control)", admission=False, upstream_priority=False)
+ROWS = {row.key: row for row in (
+    ADMISSION, FIFO,
+    RowSpec("c", "round-robin, FIFO (no admission control)", policy="round-robin", admission=False,
+            upstream_priority=False),
+    RowSpec("d", "as (a), replicas first come first served (no upstream priority)", upstream_priority=False),
+    RowSpec("e", "as (a), with max_num_seqs learned from /metrics instead of configured", seats_learned=True),
+    RowSpec("f", "as (a), with batch requests streamed: not preemptible, they leave a reserve", batch_stream=True),
+    RowSpec("g", "kvgate with no configuration (defaults, seats learned, replicas first come first served), batch "
+                 "streamed", upstream_priority=False, no_config=True, batch_stream=True),
+    RowSpec("h", "kvgate with no configuration, batch reading whole answers", upstream_priority=False, no_config=True),
+)}
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Fleet, load and durations of one benchmark."""
+
+    replicas: int
+    sim: SimOptions
+    max_tokens: int
+    prompt_words: int
+    capacity_s: float
+    unloaded_s: float
+    overload_s: float
+    rows: tuple[str, ...]
+    unloaded_fraction: float = 0.2  # of capacity, interactive only
+    overload_factor: float = 2.0  # offered load against capacity
+    batch_fraction: float = 0.7
+    lead_in_s: float = 5.0  # interactive traffic alone before the batch flood starts
+    seed: int = 1
+
+    @property
+    def drain_cap_s(self) -> float:
+        """How long a run waits for open requests after its last send: the backlog's drain time, with margin."""
+        return 1.5 * self.overload_s * (self.overload_factor - 1) + 10
+
+    def _full_batch_step_s(self) -> float:
+        """Seconds of one decode step with every seat busy, from the simulator's timing model."""
+        sim = self.sim
+        return sim.scaled(sim.decode_step_seconds + sim.decode_seconds_per_seq * sim.max_num_seqs)
+
+    def derived_capacity(self) -> float:
+        """Requests per second the fleet completes with every seat busy, from the simulator's timing model."""
+        return self.replicas * self.sim.max_num_seqs / (self.max_tokens * self._full_batch_step_s())
+
+    @property
+    def capacity_warmup_s(self) -> float:
+        """How long the capacity probe runs before it counts: until the longest request of its first wave (started
+        at once on a cold fleet) has finished and completions reach their steady rate."""
+        return output_tokens_max(self.max_tokens) * self._full_batch_step_s()
+
+    def body_for(self, arrival: Arrival, batch_stream: bool = False) -> bytes:
+        """The body of one request: interactive ones stream, batch ones read whole answers unless `batch_stream`."""
+        stream = arrival.priority == INTERACTIVE or batch_stream
+        return request_body(self.sim.models[0], arrival.index, self.prompt_words, self.max_tokens, stream)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as plain JSON."""
+        return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s,
+                "capacity_warmup_s": round(self.capacity_warmup_s, 2)}
+
 
 # Small enough for a 2-core machine: tens of requests per second, so the Python load generator keeps its schedule.
 SIM = SimOptions(max_num_seqs=32, decode_step_seconds=0.05, default_max_tokens=32, speed=1.0)
@@ -26,8 +145,72 @@ FLEETS = {
     "seats256": {"sim": SimOptions(max_num_seqs=256, num_gpu_blocks=4096, decode_step_seconds=0.02,
                                    decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h")},
 }
-QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1,
-                            rows=("a", "b", "c"))
+QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"))
+
+
+async def admission_counters(gateway_url: str) -> dict[str, float]:
+    """The gateway's admission counters (dispatched, shed, preempted, wait sum and count) keyed by name and labels."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        samples = await metric_samples(session, gateway_url, _ADMISSION_METRICS)
+    counters: dict[str, float] = {}
+    for sample in samples:
+        if sample.name.endswith(("_total", "_sum", "_count")):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            counters[f"{sample.name.removeprefix('kvgate_admission_')}{{{labels}}}"] = sample.value
+    return counters
+
+
+async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: str, rate: float, duration: float,
+               batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0) -> RunResult:
+    """One open-loop run through `gateway_url`, the queues sampled while the load is on."""
+    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
+    loop = asyncio.get_running_loop()
+    load_end, queues = loop.time() + lead_in_s + duration, QueueSamples()
+
+    async def sample() -> None:
+        if loop.time() < load_end:
+            await queues.sample(session, gateway_url, urls)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        async with sampling(_QUEUE_SAMPLE_SECONDS, sample):
+            samples = await run_open_loop(gateway_url, arrivals, body_for, plan.drain_cap_s)
+    counters = await admission_counters(gateway_url)
+    return summarise(key, title, rate, duration, samples, queues.summary(), counters, lead_in_s)
+
+
+async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
+    """Capacity probe, unloaded baseline, then each overload row on a fresh fleet; the report as plain JSON."""
+    seats = plan.replicas * plan.sim.max_num_seqs
+    async with running(start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)) as urls:
+        capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
+        progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
+        async with running(start_gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir)) as url:
+            unloaded = await _run(plan, url, urls, "unloaded", f"{ADMISSION.title}, interactive only",
+                                  plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
+    progress(f"unloaded: interactive TTFT p50 {unloaded.interactive.ttft_p50_ms} ms "
+             f"p99 {unloaded.interactive.ttft_p99_ms} ms")
+    runs: list[RunResult] = []
+    for key in plan.rows:
+        row = ROWS[key]
+        sims = start_sim_fleet(f"row-{key}-sim", plan.replicas, row.sim_options(plan.sim), log_dir)
+        async with running(sims) as urls, running(start_gateway(f"row-{key}-kvgate", urls, row.gateway_flags(plan.sim),
+                                                                log_dir)) as url:
+            run = await _run(plan, url, urls, key, row.title, plan.overload_factor * capacity, plan.overload_s,
+                             plan.batch_fraction, plan.seed + 1,
+                             functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)
+        runs.append(run)
+        progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
+                 f"shed {run.batch.shed} lost {run.interactive.lost + run.batch.lost}, wall {run.wall_s} s, replica "
+                 f"queue mean {run.queues['replica_waiting_mean']}")
+    fifo = next((run for run in runs if run.key == FIFO.key), None)
+    return {
+        "plan": plan.to_json(),
+        "capacity": {"measured_rps": round(capacity, 1), "derived_rps": round(plan.derived_capacity(), 1),
+                     "seats": seats},
+        "unloaded": unloaded.to_json(),
+        "runs": [run.to_json() for run in runs],
+        "verdicts": [verdict(run, unloaded, fifo) for run in runs if ROWS[run.key].admission],
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,15 +1,12 @@
-"""`kvgate bench rolling`: replace every replica under steady streaming load and count what failed.
-
-Each scenario runs on a fresh fleet and gateway, all in this process: simulated replicas, kvgate fed
-by an in-process discovery source, and the streaming clients. TTFT is compared before, during and
-after the restart.
-"""
+"""`kvgate bench rolling`: replace every replica under steady streaming load and count what failed; each scenario
+on a fresh fleet and gateway, all in this process, TTFT compared before, during and after the restart."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import os
 import sys
 import time
@@ -17,17 +14,70 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from kvgate.loadtest.kit.report import publish
-from kvgate.loadtest.kit.stats import percentile
-from kvgate.loadtest.kit.stream import RequestSample
-from kvgate.loadtest.rolling.discovery import ControlledDiscovery
-from kvgate.loadtest.rolling.load import SteadyLoad
-from kvgate.loadtest.rolling.replica import start_replicas
-from kvgate.loadtest.rolling.restart import RestartRecord, RestartTiming, RollingRestart
+import aiohttp
+
+from kvgate.loadtest.kit.report import publish, utc_now
+from kvgate.loadtest.kit.stats import ms
+from kvgate.loadtest.kit.stream import RequestSample, stream_chat
+from kvgate.loadtest.rolling.fleet import (
+    ControlledDiscovery,
+    RestartRecord,
+    RestartTiming,
+    RollingRestart,
+    start_replicas,
+)
+from kvgate.loadtest.routing.workload import system_prompt
 from kvgate.router.config import build_config
 from kvgate.router.gateway import Gateway
 from kvgate.router.server import GatewayServer
 from kvgate.simulator import SimOptions
+
+_REQUEST_TIMEOUT_SECONDS = 30.0
+_SYSTEM_PROMPT_CHARS = 800
+
+
+class SteadyLoad:
+    """`concurrency` clients streaming chat completions through `url`, bounded in count and time; they cycle over
+    `tenants` system prompts so a cache-aware gateway spreads them over the fleet."""
+
+    def __init__(self, url: str, model: str, concurrency: int, max_requests: int, max_seconds: float,
+                 max_tokens: int, tenants: int = 16) -> None:
+        self.samples: list[RequestSample] = []
+        self.run_start = 0.0  # event loop time the run began; samples' `start` is relative to it
+        self._url = url
+        self._model = model
+        self._concurrency = concurrency
+        self._max_requests = max_requests
+        self._max_seconds = max_seconds
+        self._max_tokens = max_tokens
+        self._prompts = [system_prompt(tenant, _SYSTEM_PROMPT_CHARS) for tenant in range(tenants)]
+        self._numbers = itertools.count()
+        self._stopping = asyncio.Event()
+
+    def stop(self) -> None:
+        """Let every client finish its current request and send no more."""
+        self._stopping.set()
+
+    async def run(self) -> list[RequestSample]:
+        """Run the clients until stopped, `max_requests` were sent, or `max_seconds` passed."""
+        loop = asyncio.get_running_loop()
+        self.run_start = loop.time()
+        deadline = self.run_start + self._max_seconds
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            await asyncio.gather(*(self._client(session, deadline) for _ in range(self._concurrency)))
+        return self.samples
+
+    async def _client(self, session: aiohttp.ClientSession, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stopping.is_set() and loop.time() < deadline:
+            number = next(self._numbers)
+            if number >= self._max_requests:
+                return
+            body = {"model": self._model, "max_tokens": self._max_tokens, "stream": True,
+                    "messages": [{"role": "system", "content": self._prompts[number % len(self._prompts)]},
+                                 {"role": "user", "content": f"Question {number}: where is my order?"}]}
+            sample, _ = await stream_chat(session, self._url, body, self.run_start, _REQUEST_TIMEOUT_SECONDS)
+            self.samples.append(sample)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +160,7 @@ def retries_by_cause(gateway: Gateway) -> dict[str, int]:
 
 async def run_scenario(plan: Plan, scenario: Scenario) -> RunResult:
     """Steady load, a full rolling restart, steady load again; on a fresh fleet and gateway."""
+    print(f"running: {scenario.title}", file=sys.stderr)
     replicas = await start_replicas(plan.replicas, plan.sim)
     discovery = ControlledDiscovery()
     replacement = dataclasses.replace(plan.sim, startup_seconds=plan.startup_s * plan.sim.speed)
@@ -137,14 +188,9 @@ async def run_scenario(plan: Plan, scenario: Scenario) -> RunResult:
     return RunResult(scenario, samples, records, retries, plan.warmup_s, window)
 
 
-def _ms(values: list[float], q: float) -> str:
-    value = percentile(values, q)
-    return "-" if value is None else f"{value * 1000:.0f}"
-
-
 def _ttft(samples: list[RequestSample]) -> str:
     ttfts = [s.ttft for s in samples if s.ttft is not None]
-    return f"{_ms(ttfts, 50)} / {_ms(ttfts, 99)}"
+    return " / ".join(f"{ms(ttfts, q, 0):.0f}" if ttfts else "-" for q in (50, 99))
 
 
 def render_markdown(plan: Plan, results: Sequence[RunResult], command: str, seconds: float) -> str:
@@ -153,7 +199,7 @@ def render_markdown(plan: Plan, results: Sequence[RunResult], command: str, seco
     lines = [
         "### Rolling restart of the fleet under load",
         "",
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` on {os.cpu_count()} CPUs "
+        f"Measured {utc_now()} by `{command}` on {os.cpu_count()} CPUs "
         f"in {seconds:.0f} s; the simulated replicas, kvgate (default policy, retries 1) and the clients share one "
         f"process and event loop, so absolute TTFTs include their contention. Fleet: {plan.replicas} simulated "
         f"replicas (speed {sim.speed}); {plan.clients} clients stream chat completions of {plan.max_tokens} tokens "
@@ -185,15 +231,6 @@ def render_markdown(plan: Plan, results: Sequence[RunResult], command: str, seco
     return "\n".join(lines) + "\n"
 
 
-async def run_scenarios(plan: Plan) -> list[RunResult]:
-    """Every scenario, one after the other."""
-    results = []
-    for scenario in SCENARIOS:
-        print(f"running: {scenario.title}", file=sys.stderr)
-        results.append(await run_scenario(plan, scenario))
-    return results
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """No flags of its own (--duration is the steady load before the restart)."""
 
@@ -204,7 +241,7 @@ def run(options: argparse.Namespace) -> int:
     if options.duration is not None:
         plan = dataclasses.replace(plan, before_s=options.duration)
     started = time.monotonic()
-    results = asyncio.run(run_scenarios(plan))
+    results = [asyncio.run(run_scenario(plan, scenario)) for scenario in SCENARIOS]
     markdown = render_markdown(plan, results, options.command, time.monotonic() - started)
     report = {"plan": dataclasses.asdict(plan), "scenarios": [
         {"title": r.scenario.title, "requests": len(r.samples), "failed": sum(s.error is not None for s in r.samples),

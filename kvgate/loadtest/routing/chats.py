@@ -1,15 +1,12 @@
-"""`kvgate bench chats`: Poisson multi-turn chats of tenants sharing system prompts, uniform and Zipf popularity.
-
-Every row replays the same conversations: arrivals at a fixed rate, at most `concurrency` conversations open, a
-conversation's next turn sent once its last answer came back. Held to a peer router with --peer.
-"""
+"""`kvgate bench chats`: Poisson multi-turn chats of tenants sharing system prompts, uniform and Zipf popularity;
+every row replays the same conversations, a turn sent once the last answer came back; --peer holds kvgate to another."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from kvgate.loadtest.routing.loads import ChatLoad
+from kvgate.loadtest.routing.client import ChatLoad
 from kvgate.loadtest.routing.scenario import add_router_arguments, add_workload_arguments, run_loads, workload
 from kvgate.loadtest.routing.workload import CHAT_UNIFORM, CHAT_ZIPF, QUICK_CHATS
 

@@ -1,16 +1,10 @@
-"""`kvgate bench inference-perf`: inference-perf's shared_prefix load through each router, driven by inference-perf.
-
-inference-perf (PyPI `inference-perf`, the Gateway API Inference Extension's tool, Python >= 3.12) lives in a
-virtual environment of its own; each row writes its config (as kvgate/loadtest/inference-perf-shared-prefix.yaml),
-runs it against the row's router and reads back its per-request report, so its rows are summarised like every
-other. Without inference-perf installed the scenario says so and skips.
-"""
+"""`kvgate bench inference-perf`: inference-perf's shared_prefix load through each router, run from a venv of its
+own (Python >= 3.12) on the shipped config, its per-request report read back as samples; skips when not installed."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import math
 import os
 import shutil
@@ -23,11 +17,12 @@ from typing import Any
 import orjson
 import yaml
 
+from kvgate.loadtest.cli import add_knobs, with_knobs
 from kvgate.loadtest.kit.processes import ProcessError
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import OnSample
 from kvgate.loadtest.routing.scenario import add_router_arguments, run_loads
-from kvgate.loadtest.routing.sizing import Footprint
+from kvgate.loadtest.routing.workload import Footprint
 
 # inference-perf's generated words average about six characters per token of a WordPiece tokenizer such as
 # MiniLM's; the simulator counts four characters a token (measured: 773 simulated tokens for 500 requested).
@@ -180,10 +175,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the inference-perf command (Python >= 3.12: install it in a venv of its own)")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="a tokenizer directory inference-perf loads offline (default: the kit's tiny model)")
-    for knob in dataclasses.fields(SharedPrefixSpec):
-        if knob.name in _SPEC_HELP:
-            parser.add_argument("--" + knob.name.replace("_", "-"), type=type(knob.default), default=None,
-                                help=f"{_SPEC_HELP[knob.name]} (default {knob.default})")
+    add_knobs(parser, SharedPrefixSpec(), _SPEC_HELP)
 
 
 def run(options: argparse.Namespace) -> int:
@@ -199,8 +191,6 @@ def run(options: argparse.Namespace) -> int:
         from kvgate.loadtest.kit.tiny_model import write_tiny_model
 
         tokenizer = str(write_tiny_model(options.out / "tiny-model"))
-    names = [*_SPEC_HELP, "seed"]
-    spec = dataclasses.replace(QUICK_SHARED_PREFIX if options.quick else SharedPrefixSpec(),
-                               **{name: getattr(options, name) for name in names if getattr(options, name) is not None})
+    spec = with_knobs(options, QUICK_SHARED_PREFIX if options.quick else SharedPrefixSpec(), [*_SPEC_HELP, "seed"])
     load = SharedPrefixLoad(spec, executable, tokenizer)
     return run_loads(options, (load,), "inference-perf shared_prefix", "inference-perf")

@@ -11,7 +11,7 @@ matplotlib.use("Agg")  # files only: no display on servers or in CI
 
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 
-from kvgate.loadtest.routing.results import RowRun, ScenarioRun  # noqa: E402
+from kvgate.loadtest.routing.report import RowRun, ScenarioRun  # noqa: E402
 
 _GRID_COLUMNS = 3
 

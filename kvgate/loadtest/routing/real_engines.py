@@ -1,8 +1,5 @@
-"""`kvgate bench real-engines`: the routing rows on real vLLM engines (the CPU build, one per core).
-
-The interpreter with vLLM comes from $KVGATE_VLLM_PYTHON (`./dev real` creates .venv-vllm); hit rates come from
-vLLM's own prefix-cache counters. The flags are the routing scenario's; with --precise the engines publish KV events.
-"""
+"""`kvgate bench real-engines`: the routing rows on real vLLM engines (the CPU build, one per core; the interpreter
+from $KVGATE_VLLM_PYTHON, which `./dev real` sets up), hit rates from vLLM's own counters."""
 
 from __future__ import annotations
 

@@ -12,12 +12,19 @@ from pathlib import Path
 
 import aiohttp
 
-from kvgate.loadtest.kit.gateway_metrics import read_decisions, wait_kv_events
-from kvgate.loadtest.kit.processes import ProcessError, start_external, start_gateway, start_sim_fleet, stopping
-from kvgate.loadtest.kit.replicas import LoadSampler, ReplicaProbe, RunningFleet, SimProbe
+from kvgate.loadtest.kit.counters import (
+    ReplicaProbe,
+    RunningFleet,
+    SimProbe,
+    read_decisions,
+    sampling,
+    sampling_load,
+    wait_kv_events,
+)
+from kvgate.loadtest.kit.processes import ProcessError, running, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.stream import RequestSample
-from kvgate.loadtest.routing.loads import ChatLoad, Load
-from kvgate.loadtest.routing.results import (
+from kvgate.loadtest.routing.client import ChatLoad, Load
+from kvgate.loadtest.routing.report import (
     BASELINE_POLICY,
     EXTERNAL,
     KVGATE,
@@ -27,8 +34,7 @@ from kvgate.loadtest.routing.results import (
     RowRun,
     ScenarioRun,
 )
-from kvgate.loadtest.routing.sizing import fleet_options, oracle_options, pressure_oracle_options
-from kvgate.loadtest.routing.vllm_fleet import VllmProbe, vllm_fleet
+from kvgate.loadtest.routing.workload import Footprint, fleet_options, oracle_options, pressure_oracle_options
 from kvgate.simulator import SimOptions
 
 log = logging.getLogger(__name__)
@@ -55,50 +61,45 @@ class BenchSettings:
     # Precise routing rows: the replicas publish KV events; simulated ones tokenize with this model directory.
     tokenizer_dir: Path | None = None
 
-    @property
-    def chars_per_token(self) -> float:
-        """For sizing: the simulator's own 4, or a conservative 3 for a real (byte-level BPE) tokenizer."""
-        return 3.0 if self.tokenizer_dir else 4.0
-
     def fleet_options(self, load: Load) -> SimOptions:
         """Settings of each fleet replica for a load (publishing KV events in precise mode)."""
-        footprint = load.footprint(self.sim.block_size, self.chars_per_token)
-        options = fleet_options(footprint, load.model, self.sim, self.cache_fraction)
+        options = fleet_options(self._footprint(load), load.model, self.sim, self.cache_fraction)
         if self.tokenizer_dir is None:
             return options
         return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir), kv_events=True)
 
     def oracle_options(self, load: Load) -> SimOptions:
         """Settings of the oracle replica for a load."""
-        footprint = load.footprint(self.sim.block_size, self.chars_per_token)
-        options = oracle_options(footprint, load.model, self.sim)
+        options = oracle_options(self._footprint(load), load.model, self.sim)
         return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir)) if self.tokenizer_dir else options
+
+    def _footprint(self, load: Load) -> Footprint:
+        # the simulator's own 4 characters per token, or a conservative 3 for a real (byte-level BPE) tokenizer
+        return load.footprint(self.sim.block_size, 3.0 if self.tokenizer_dir else 4.0)
 
 
 def plan_rows(settings: BenchSettings) -> list[RowPlan]:
     """The rows of every load: oracle, baseline, each policy, several gateways, precise routing, external routers."""
     rows = [RowPlan(ORACLE, ORACLE), RowPlan(BASELINE_POLICY, KVGATE, policy=BASELINE_POLICY)]
     rows += [RowPlan(policy, KVGATE, policy=policy) for policy in settings.policies if policy != BASELINE_POLICY]
+    scaled = f" x{settings.gateways}"
     if settings.gateways > 1:
-        rows.append(RowPlan(f"cache-aware x{settings.gateways}", KVGATE, policy="cache-aware",
-                            gateways=settings.gateways))
+        rows.append(RowPlan("cache-aware" + scaled, KVGATE, policy="cache-aware", gateways=settings.gateways))
     if settings.tokenizer_dir is not None:
         rows.insert(1, RowPlan(PRESSURE_ORACLE, PRESSURE_ORACLE))
         rows.append(RowPlan("cache-aware precise", KVGATE, policy="cache-aware", precise=True))
         if settings.gateways > 1:
-            rows.append(RowPlan(f"cache-aware precise x{settings.gateways}", KVGATE, policy="cache-aware",
+            rows.append(RowPlan("cache-aware precise" + scaled, KVGATE, policy="cache-aware",
                                 gateways=settings.gateways, precise=True))
-    rows += [RowPlan(name, EXTERNAL, template=template) for name, template in settings.externals]
-    return rows
+    return rows + [RowPlan(name, EXTERNAL, template=template) for name, template in settings.externals]
 
 
 async def run_bench(settings: BenchSettings, progress: Progress) -> list[ScenarioRun]:
     """Every load's rows one at a time against replicas started for that load, reset between rows."""
-    log_dir = settings.out_dir / "logs"
     scenarios: list[ScenarioRun] = []
     for load in settings.loads:
         async with AsyncExitStack() as stack:
-            fleet, probe = await stack.enter_async_context(_replicas(settings, load, log_dir))
+            fleet, probe = await stack.enter_async_context(_replicas(settings, load, settings.out_dir / "logs"))
             session = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
             simulated = settings.vllm_python is None
             scenario = ScenarioRun(load.name, load.describe(), load.skewed,
@@ -128,8 +129,7 @@ async def _run_row(settings: BenchSettings, load: Load, plan: RowPlan, fleet: Ru
             if plan.precise:
                 await wait_kv_events(session, gateways, precise=True)
             async with _front(load, gateways, log_dir, label) as targets:
-                await _measure(row, session, sim_urls, targets or sim_urls, load, work_dir, probe,
-                               _Ticker(label, progress))
+                await _measure(row, session, sim_urls, targets or sim_urls, load, work_dir, probe, label, progress)
             if plan.kind == KVGATE:
                 row.decisions = await read_decisions(session, gateways)
     except (ProcessError, TimeoutError) as exc:  # a router that would not start, or not follow the KV events
@@ -141,35 +141,36 @@ async def _run_row(settings: BenchSettings, load: Load, plan: RowPlan, fleet: Ru
 @asynccontextmanager
 async def _replicas(settings: BenchSettings, load: Load, log_dir: Path) -> AsyncIterator[tuple[RunningFleet, ReplicaProbe]]:
     """The replicas of a load and how to read them: simulated replicas, or real engines."""
-    precise = settings.tokenizer_dir is not None
     if settings.vllm_python is not None:
+        from kvgate.loadtest.routing.vllm_fleet import VllmProbe, vllm_fleet
+
         assert isinstance(load, ChatLoad), "real engines are sized for the chat loads"
         async with vllm_fleet(load.spec, settings.replicas, settings.cache_fraction, settings.vllm_python,
-                              settings.out_dir / "vllm", precise) as engines:
+                              settings.out_dir / "vllm", settings.tokenizer_dir is not None) as engines:
             yield engines, VllmProbe()
         return
     async with AsyncExitStack() as stack:
+
+        async def started(suffix: str, replicas: int, options: SimOptions) -> list[str]:
+            sims = start_sim_fleet(f"{load.name}-{suffix}", replicas, options, log_dir)
+            return await stack.enter_async_context(running(sims))
+
         options = settings.fleet_options(load)
-        fleet, fleet_urls = await start_sim_fleet(f"{load.name}-fleet", settings.replicas, options, log_dir)
-        stack.push_async_callback(fleet.stop)
-        oracle, oracle_urls = await start_sim_fleet(f"{load.name}-oracle", 1, settings.oracle_options(load), log_dir)
-        stack.push_async_callback(oracle.stop)
-        direct = {ORACLE: oracle_urls}  # rows whose traffic goes straight to their own replica
+        urls = await started("fleet", settings.replicas, options)
+        direct = {ORACLE: await started("oracle", 1, settings.oracle_options(load))}  # rows sent straight to it
         flags: list[str] = []
         if settings.tokenizer_dir is not None:
-            pressure, direct[PRESSURE_ORACLE] = await start_sim_fleet(
-                f"{load.name}-pressure-oracle", 1, pressure_oracle_options(options, settings.replicas), log_dir)
-            stack.push_async_callback(pressure.stop)
-            flags = precise_args(fleet_urls, options, settings.tokenizer_dir)
-        yield RunningFleet(fleet_urls, direct, flags), SimProbe()
+            pressure = pressure_oracle_options(options, settings.replicas)
+            direct[PRESSURE_ORACLE] = await started("pressure-oracle", 1, pressure)
+            flags = precise_args(urls, options, settings.tokenizer_dir)
+        yield RunningFleet(urls, direct, flags), SimProbe()
 
 
 def precise_args(endpoints: Sequence[str], options: SimOptions, tokenizer_dir: Path) -> list[str]:
     """`kvgate serve` flags that subscribe to each simulated replica's KV events and tokenize as it does."""
     args = []
     for url in endpoints:
-        port = int(url.rpartition(":")[2])
-        offset = options.kv_events_port_offset
+        port, offset = int(url.rpartition(":")[2]), options.kv_events_port_offset
         args += ["--kv-events-endpoint", f"{url}=tcp://127.0.0.1:{port + offset}",
                  "--kv-events-replay-endpoint", f"{url}=tcp://127.0.0.1:{port + 2 * offset}"]
     return [*args, "--tokenizer", f"{options.models[0]}={tokenizer_dir}"]
@@ -178,21 +179,17 @@ def precise_args(endpoints: Sequence[str], options: SimOptions, tokenizer_dir: P
 @asynccontextmanager
 async def _routers(plan: RowPlan, fleet: RunningFleet, log_dir: Path, load: Load) -> AsyncIterator[list[str]]:
     """Start the row's router processes; yields their base URLs (none for the oracles: traffic goes direct)."""
-    workers = fleet.urls
     async with AsyncExitStack() as stack:
         urls: list[str] = []
         flags = [] if plan.policy is None else ["--policy", plan.policy]
-        if plan.precise:
-            flags += fleet.precise_flags
+        flags += fleet.precise_flags if plan.precise else []
         for index in range(plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0):
             name = f"{load.name}-{plan.name}-{index}".replace(" ", "")
             if plan.kind == KVGATE:
-                child, url = await start_gateway(name, workers, flags, log_dir)
+                started = start_gateway(name, fleet.urls, flags, log_dir)
             else:
-                assert plan.template is not None
-                child, url = await start_external(name, plan.template, workers, log_dir)
-            stack.push_async_callback(child.stop)
-            urls.append(url)
+                started = start_external(name, plan.template or "", fleet.urls, log_dir)
+            urls.append(await stack.enter_async_context(running(started)))
         yield urls
 
 
@@ -203,48 +200,27 @@ async def _front(load: Load, gateways: list[str], log_dir: Path, label: str) -> 
         yield gateways
         return
     name = f"{label}-front".replace(" ", "").replace("/", "-").replace("#", "")
-    child, url = await start_gateway(name, gateways, ["--policy", FRONT_POLICY], log_dir)
-    async with stopping(child):
+    async with running(start_gateway(name, gateways, ["--policy", FRONT_POLICY], log_dir)) as url:
         yield [url]
 
 
 async def _measure(row: RowRun, session: aiohttp.ClientSession, sim_urls: Sequence[str], targets: Sequence[str],
-                   load: Load, work_dir: Path, probe: ReplicaProbe, ticker: _Ticker) -> None:
-    """Drive the load through `targets` while sampling the replicas' load; fill in `row`."""
+                   load: Load, work_dir: Path, probe: ReplicaProbe, label: str, progress: Progress) -> None:
+    """Drive the load through `targets` while sampling the replicas' load, printing progress; fill in `row`."""
     loop = asyncio.get_running_loop()
-    async with LoadSampler(session, sim_urls, probe) as sampler:
-        start = loop.time()
-        ticking = asyncio.create_task(ticker.run())
-        try:
-            row.samples = await load.drive(targets, work_dir, ticker.count)
-        finally:
-            ticking.cancel()
+    start = loop.time()
+    done: list[RequestSample] = []
+
+    async def tick() -> None:
+        if elapsed := round(loop.time() - start):
+            errors = sum(sample.error is not None for sample in done)
+            progress(f"  {label}: {elapsed}s, {len(done)} requests, {errors} errors")
+
+    async with sampling_load(session, sim_urls, probe) as series, sampling(_PROGRESS_INTERVAL_SECONDS, tick):
+        row.samples = await load.drive(targets, work_dir, done.append)
         row.wall_seconds = loop.time() - start
-    row.load = sampler.series
+    row.load = series
     row.replica_stats = await probe.stats(session, sim_urls)
-
-
-class _Ticker:
-    """Counts finished requests and prints a progress line periodically while a row runs."""
-
-    def __init__(self, label: str, progress: Progress) -> None:
-        self._label = label
-        self._progress = progress
-        self._requests = 0
-        self._errors = 0
-
-    def count(self, sample: RequestSample) -> None:
-        """Note one finished request."""
-        self._requests += 1
-        self._errors += sample.error is not None
-
-    async def run(self) -> None:
-        """Print progress every few seconds until cancelled."""
-        elapsed = 0.0
-        while True:
-            await asyncio.sleep(_PROGRESS_INTERVAL_SECONDS)
-            elapsed += _PROGRESS_INTERVAL_SECONDS
-            self._progress(f"  {self._label}: {elapsed:.0f}s, {self._requests} requests, {self._errors} errors")
 
 
 def _row_line(label: str, row: RowRun) -> str:

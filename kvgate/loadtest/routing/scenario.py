@@ -1,7 +1,5 @@
-"""`kvgate bench routing`: kvgate's policies (and --external routers) on a simulated fleet, closed-loop chats.
-
-Also the routing family's shared command line and report (`kvgate bench chats`, `real-engines`, `inference-perf`).
-"""
+"""`kvgate bench routing`: kvgate's policies (and --external routers) on a simulated fleet, closed-loop chats; also
+the routing family's shared command line and report (`chats`, `real-engines`, `inference-perf`)."""
 
 from __future__ import annotations
 
@@ -12,13 +10,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvgate.loadtest.cli import add_knobs, external_router, with_knobs
 from kvgate.loadtest.kit.report import BadOption, publish, utc_now
-from kvgate.loadtest.routing.loads import ChatLoad, Load
+from kvgate.loadtest.routing.client import ChatLoad, Load
 from kvgate.loadtest.routing.plots import plot_replica_load, plot_ttft_cdf
-from kvgate.loadtest.routing.report import BenchReport, ScenarioReport, machine_info, render_markdown, update_docs
-from kvgate.loadtest.routing.results import ScenarioRun
+from kvgate.loadtest.routing.report import (
+    BenchReport,
+    ScenarioReport,
+    ScenarioRun,
+    machine_info,
+    render_markdown,
+    summarise_scenario,
+    update_docs,
+)
 from kvgate.loadtest.routing.runner import BenchSettings, run_bench
-from kvgate.loadtest.routing.summary import summarise_scenario
 from kvgate.loadtest.routing.workload import DEFAULT_WORKLOAD, QUICK_WORKLOAD, SKEWS, WorkloadSpec
 from kvgate.simulator import SimOptions
 
@@ -37,13 +42,6 @@ _WORKLOAD_HELP = {
 }
 
 
-def _external(value: str) -> tuple[str, str]:
-    name, sep, template = value.partition("=")
-    if not sep or not name.strip() or not template.strip():
-        raise argparse.ArgumentTypeError("expected NAME=COMMAND TEMPLATE")
-    return name.strip(), template.strip()
-
-
 def add_router_arguments(parser: argparse.ArgumentParser, policies: Sequence[str] = DEFAULT_POLICIES) -> None:
     """The routers of every routing scenario: fleet size, kvgate policies and gateways, other routers."""
     parser.add_argument("--replicas", type=int, default=3, help="vLLM replicas behind the routers")
@@ -51,7 +49,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, policies: Sequence[str
                         help="kvgate policies to measure besides the round-robin baseline (comma-separated)")
     parser.add_argument("--gateways", type=int, default=3,
                         help="kvgate processes in the multi-gateway cache-aware row (below 2: no such row)")
-    parser.add_argument("--external", type=_external, action="append", default=[], metavar="NAME=TEMPLATE",
+    parser.add_argument("--external", type=external_router, action="append", default=[], metavar="NAME=TEMPLATE",
                         help="another router's command line (nginx, SGLang's router, ...); {workers} becomes the "
                              "replica URLs separated by spaces, {port} its listen port (repeatable)")
     parser.add_argument("--peer", help="the --external row kvgate's rows are held to (hit rate, TTFT p99)")
@@ -64,18 +62,12 @@ def add_router_arguments(parser: argparse.ArgumentParser, policies: Sequence[str
 
 def add_workload_arguments(parser: argparse.ArgumentParser, preset: WorkloadSpec) -> None:
     """The chat workload's knobs, each overriding the scenario's preset."""
-    group = parser.add_argument_group("chat workload (--quick: a tiny one)")
-    for knob in dataclasses.fields(WorkloadSpec):
-        if knob.name in _WORKLOAD_HELP:
-            group.add_argument("--" + knob.name.replace("_", "-"), type=type(knob.default), default=None,
-                               help=f"{_WORKLOAD_HELP[knob.name]} (default {getattr(preset, knob.name)})")
+    add_knobs(parser, preset, _WORKLOAD_HELP, "chat workload (--quick: a tiny one)")
 
 
 def workload(options: argparse.Namespace, preset: WorkloadSpec) -> WorkloadSpec:
     """The preset with the flags' overrides (--seed and --duration included)."""
-    names = [*_WORKLOAD_HELP, "seed", "duration"]
-    return dataclasses.replace(preset, **{name: getattr(options, name) for name in names
-                                          if getattr(options, name, None) is not None})
+    return with_knobs(options, preset, [*_WORKLOAD_HELP, "seed", "duration"])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,9 +1,5 @@
-"""Real vLLM engines (the CPU build) as the routing benchmark's fleet and oracle, probed through their own counters.
-
-The fleet is one engine per core, its KV cache sized in the engine's real blocks and tokens (the tiny model's
-tokenizer, measured on the workload's own text) to hold `cache_fraction` of the prefixes in play; the oracle is one
-more engine whose cache never evicts. Hit rates come from `vllm:prefix_cache_hits_total` / `queries_total`.
-"""
+"""Real vLLM engines (the CPU build) as the routing benchmark's fleet and oracle, sized in their own blocks and
+tokens, probed through their own counters (`vllm:prefix_cache_hits_total` / `queries_total`)."""
 
 from __future__ import annotations
 
@@ -18,11 +14,11 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgate.loadtest.kit.counters import RunningFleet
 from kvgate.loadtest.kit.processes import free_ports
-from kvgate.loadtest.kit.replicas import RunningFleet
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.kit.vllm_engine import EngineSpec, VllmEngine, start_engines
-from kvgate.loadtest.routing.workload import PrefixFootprint, WorkloadSpec, system_prompt, user_message
+from kvgate.loadtest.routing.workload import Footprint, WorkloadSpec, system_prompt, user_message
 
 BLOCK_SIZE = 128  # vLLM's block size on CPU
 KV_BYTES_PER_TOKEN = 1024  # the tiny model: 2 layers x (K, V) x 4 heads x 32 dims x 2 bytes
@@ -101,11 +97,10 @@ class EngineSizing:
     @classmethod
     def of(cls, spec: WorkloadSpec, cache_fraction: float, chars_per_token: float) -> EngineSizing:
         """Each fleet engine holds `cache_fraction` of the prefixes in play; the oracle twice the whole workload."""
-        footprint = PrefixFootprint.of(spec, BLOCK_SIZE, chars_per_token)
-        model_len = math.ceil(footprint.longest_request_tokens / BLOCK_SIZE) * BLOCK_SIZE
-        in_play = footprint.all_system_prompts(spec) + spec.concurrency * footprint.history_blocks
-        return cls(fleet_blocks=max(math.ceil(cache_fraction * in_play), 2 * model_len // BLOCK_SIZE),
-                   oracle_blocks=2 * footprint.whole_workload(spec), max_model_len=model_len,
+        footprint = Footprint.of_chats(spec, BLOCK_SIZE, chars_per_token)
+        model_len = footprint.model_len(BLOCK_SIZE)
+        return cls(fleet_blocks=max(math.ceil(cache_fraction * footprint.in_play_blocks), 2 * model_len // BLOCK_SIZE),
+                   oracle_blocks=2 * footprint.whole_blocks, max_model_len=model_len,
                    fleet_seats=max(8, spec.concurrency), oracle_seats=2 * spec.concurrency,
                    chars_per_token=chars_per_token)
 

@@ -1,14 +1,14 @@
-"""The benchmark's traffic: tenants with long shared system prompts, multi-turn chats, and fleet sizing.
-
-Texts are deterministic (seeded), so every row of a benchmark replays the same conversations and
-the locustfile builds the same tenant prompts. This module imports nothing heavy: the locustfile uses it.
-"""
+"""The routing benchmarks' traffic (tenants with long shared system prompts, multi-turn chats; seeded, so every
+row and the locustfile send the same text) and the fleet sizing it implies. Light: the locustfile imports it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, replace
+
+from kvgate.simulator import SimOptions
 
 SKEWS = ("uniform", "zipf")
 
@@ -140,10 +140,6 @@ def build_conversations(spec: WorkloadSpec) -> list[Conversation]:
     ]
 
 
-def _blocks(chars: int, block_size: int, chars_per_token: float) -> int:
-    return math.ceil(chars / chars_per_token / block_size)
-
-
 @dataclass(frozen=True, slots=True)
 class PrefixFootprint:
     """KV blocks a workload's prefixes take: a tenant's shared system prompt and one conversation's turns."""
@@ -156,18 +152,16 @@ class PrefixFootprint:
     @classmethod
     def of(cls, spec: WorkloadSpec, block_size: int, chars_per_token: float = CHARS_PER_TOKEN) -> PrefixFootprint:
         """Estimates from the workload's sizes at `chars_per_token` (the simulator's own: four)."""
-        system_chars = spec.system_prompt_chars + 2 * _TEMPLATE_CHARS_PER_MESSAGE
-        typical_turn = spec.user_chars + spec.max_tokens * _MEAN_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
-        longest_turn = (
-            spec.user_chars * 3 // 2 + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN + 2 * _TEMPLATE_CHARS_PER_MESSAGE
-        )
-        return cls(
-            system_prompt_blocks=_blocks(system_chars, block_size, chars_per_token),
-            history_blocks=_blocks(round(spec.turns * typical_turn), block_size, chars_per_token),
-            longest_history_blocks=_blocks(spec.turns * longest_turn, block_size, chars_per_token),
-            longest_request_tokens=math.ceil((system_chars + spec.turns * longest_turn) / chars_per_token)
-            + spec.max_tokens,
-        )
+        template = 2 * _TEMPLATE_CHARS_PER_MESSAGE
+        system_chars = spec.system_prompt_chars + template
+        typical_turn = spec.user_chars + spec.max_tokens * _MEAN_REPLY_CHARS_PER_TOKEN + template
+        longest_turn = spec.user_chars * 3 // 2 + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN + template
+
+        def blocks(chars: float) -> int:
+            return math.ceil(chars / chars_per_token / block_size)
+
+        return cls(blocks(system_chars), blocks(round(spec.turns * typical_turn)), blocks(spec.turns * longest_turn),
+                   math.ceil((system_chars + spec.turns * longest_turn) / chars_per_token) + spec.max_tokens)
 
     def all_system_prompts(self, spec: WorkloadSpec) -> int:
         """Blocks of every tenant's system prompt together."""
@@ -176,3 +170,48 @@ class PrefixFootprint:
     def whole_workload(self, spec: WorkloadSpec) -> int:
         """Blocks that hold every prefix the workload ever sends: an effectively unbounded cache."""
         return self.all_system_prompts(spec) + spec.conversations * self.longest_history_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """KV cache a load's prefixes take, in blocks of the fleet's block size."""
+
+    in_play_blocks: int  # distinct prefixes live at once: what a replica holding `cache_fraction` of is sized by
+    whole_blocks: int  # every prefix the load ever sends: the oracle never evicts
+    longest_request_tokens: int  # prompt plus output of the longest request
+    open_requests: int  # requests the load keeps open at once, about
+
+    @classmethod
+    def of_chats(cls, spec: WorkloadSpec, block_size: int, chars_per_token: float = CHARS_PER_TOKEN) -> Footprint:
+        """Every tenant's system prompt and every open conversation are in play at once."""
+        prefix = PrefixFootprint.of(spec, block_size, chars_per_token)
+        return cls(prefix.all_system_prompts(spec) + spec.concurrency * prefix.history_blocks,
+                   prefix.whole_workload(spec), prefix.longest_request_tokens, spec.concurrency)
+
+
+    def model_len(self, block_size: int) -> int:
+        """A context length that fits the longest request, in whole blocks."""
+        return math.ceil(self.longest_request_tokens / block_size) * block_size
+
+
+def fleet_options(footprint: Footprint, model: str, base: SimOptions, cache_fraction: float) -> SimOptions:
+    """Replica settings whose KV cache holds `cache_fraction` of the distinct prefixes in play (at one half, a
+    router that keeps each tenant and conversation on one of three replicas finds its prefixes cached, while one
+    that spreads every tenant everywhere keeps evicting them)."""
+    model_len = footprint.model_len(base.block_size)
+    blocks = max(math.ceil(cache_fraction * footprint.in_play_blocks), model_len // base.block_size)
+    return dataclasses.replace(base, models=(model,), num_gpu_blocks=blocks, max_model_len=model_len,
+                               max_num_seqs=max(base.max_num_seqs, footprint.open_requests))
+
+
+def oracle_options(footprint: Footprint, model: str, base: SimOptions) -> SimOptions:
+    """One replica that never evicts a prefix (twice the bound) and never queues for a seat: the hit-rate ceiling."""
+    return dataclasses.replace(base, models=(model,), num_gpu_blocks=2 * footprint.whole_blocks,
+                               max_model_len=footprint.model_len(base.block_size),
+                               max_num_seqs=2 * footprint.open_requests)
+
+
+def pressure_oracle_options(fleet: SimOptions, replicas: int) -> SimOptions:
+    """One replica whose cache and seats equal the whole fleet's: what routing under pressure could at best hit."""
+    return dataclasses.replace(fleet, num_gpu_blocks=replicas * fleet.num_gpu_blocks, kv_events=False,
+                               max_num_seqs=replicas * fleet.max_num_seqs)

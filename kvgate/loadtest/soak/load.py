@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
+import socket
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,7 +18,6 @@ import orjson
 
 from kvgate.loadtest.kit.stream import CHAT_PATH, stream_chat
 from kvgate.loadtest.routing.workload import system_prompt, user_message
-from kvgate.loadtest.soak.slow_reader import SlowReader, post_request
 
 OK = "ok"
 LOST_PREFIX = "lost"  # the gateway neither finished the request nor answered it with an error
@@ -143,77 +145,134 @@ class SoakLoad:
         while loop.time() + shape.fault_interval_s < deadline:
             await asyncio.sleep(shape.fault_interval_s)
             for _ in range(shape.aborts_per_round):
-                group.create_task(self._abort_mid_stream(session))
+                group.create_task(self._tallied("abort_mid_stream", lambda: self._abort_mid_stream(session)))
             for name, raw in MALFORMED_REQUESTS.items():
-                group.create_task(self._malformed(name, raw))
+                group.create_task(self._tallied(f"malformed:{name}", functools.partial(self._malformed, raw)))
             for _ in range(shape.slow_readers_per_round):
-                group.create_task(self._slow_reader())
+                group.create_task(self._tallied("slow_reader", self._slow_reader))
 
-    async def _abort_mid_stream(self, session: aiohttp.ClientSession) -> None:
-        """Read the first event of a stream, then drop the connection."""
-        self.tally.start("abort_mid_stream")
-        try:
-            async with session.post(self._url + CHAT_PATH, data=orjson.dumps(self._chat(self._shape.max_tokens)),
-                                    headers={"Content-Type": "application/json"}) as response:
-                if response.status != 200:
-                    await response.read()
-                    self.tally.finish("abort_mid_stream", f"http_{response.status}")
-                    return
-                await response.content.readuntil(b"\n\n")
-                response.close()
-                self.tally.finish("abort_mid_stream", "aborted")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            self.tally.finish("abort_mid_stream", f"{LOST_PREFIX}_{type(exc).__name__}")
-
-    async def _malformed(self, name: str, raw: bytes) -> None:
-        """Send one malformed request and read the answer until the gateway closes."""
-        kind = f"malformed:{name}"
+    async def _tallied(self, kind: str, attempt: Callable[[], Awaitable[str]]) -> None:
+        """Count one request of `kind` and the outcome `attempt` gives; one whose connection failed is lost."""
         self.tally.start(kind)
         try:
-            reader, writer = await asyncio.open_connection(self._host, self._port)
-        except OSError as exc:
-            self.tally.finish(kind, f"{LOST_PREFIX}_{type(exc).__name__}")
-            return
+            outcome = await attempt()
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            outcome = f"{LOST_PREFIX}_{type(exc).__name__}"
+        self.tally.finish(kind, outcome)
+
+    async def _abort_mid_stream(self, session: aiohttp.ClientSession) -> str:
+        """Read the first event of a stream, then drop the connection."""
+        body, headers = orjson.dumps(self._chat(self._shape.max_tokens)), {"Content-Type": "application/json"}
+        async with session.post(self._url + CHAT_PATH, data=body, headers=headers) as answer:
+            if answer.status != 200:
+                await answer.read()
+                return f"http_{answer.status}"
+            await answer.content.readuntil(b"\n\n")
+            answer.close()
+            return "aborted"
+
+    async def _malformed(self, raw: bytes) -> str:
+        """Send one malformed request and read the answer until the gateway closes."""
+        reader, writer = await asyncio.open_connection(self._host, self._port)
         try:
             writer.write(raw)
             answer = await asyncio.wait_for(reader.read(), _RAW_TIMEOUT_S)
-            status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.") else b""
-            if not status.isdigit():
-                self.tally.finish(kind, f"{LOST_PREFIX}_no_answer")
-            elif 400 <= int(status) < 500:
-                self.tally.finish(kind, "rejected_4xx")
-            else:
-                self.tally.finish(kind, f"http_{int(status)}")
-        except (OSError, TimeoutError) as exc:
-            self.tally.finish(kind, f"{LOST_PREFIX}_{type(exc).__name__}")
         finally:
             writer.transport.abort()
+        status = answer.split(b" ", 2)[1] if answer.startswith(b"HTTP/1.") else b""
+        if not status.isdigit():
+            return f"{LOST_PREFIX}_no_answer"
+        return "rejected_4xx" if 400 <= int(status) < 500 else f"http_{int(status)}"
 
-    async def _slow_reader(self) -> None:
+    async def _slow_reader(self) -> str:
         """Stream a long answer through a tiny receive buffer, a few hundred bytes at a time."""
         shape = self._shape
-        self.tally.start("slow_reader")
-        try:
-            client = await SlowReader.open(self._host, self._port)
-        except OSError as exc:
-            self.tally.finish("slow_reader", f"{LOST_PREFIX}_{type(exc).__name__}")
-            return
+        client = await SlowReader.open(self._host, self._port)
         try:
             await client.send(post_request(self._host, self._port, CHAT_PATH, self._chat(shape.slow_reader_max_tokens)))
             closed = await client.read_slowly(shape.slow_read_bytes, shape.slow_read_interval_s, shape.slow_read_max_s)
-            self.tally.finish("slow_reader", _slow_outcome(client, closed))
-        except OSError as exc:
-            self.tally.finish("slow_reader", f"{LOST_PREFIX}_{type(exc).__name__}")
         finally:
             client.close()
+        status = client.status()
+        if status is not None and status != 200:
+            return f"http_{status}"
+        if not closed:
+            return f"{LOST_PREFIX}_slow_read_timeout"
+        if b"[DONE]" not in client.tail:
+            return f"{LOST_PREFIX}_truncated"
+        return "error_event" if b'"error"' in client.tail else OK
 
 
-def _slow_outcome(client: SlowReader, closed: bool) -> str:
-    status = client.status()
-    if status is not None and status != 200:
-        return f"http_{status}"
-    if not closed:
-        return f"{LOST_PREFIX}_slow_read_timeout"
-    if b"[DONE]" not in client.tail:
-        return f"{LOST_PREFIX}_truncated"
-    return "error_event" if b'"error"' in client.tail else OK
+# asyncio's StreamReader stops reading the socket once it holds twice this: the client buffers almost nothing.
+_READER_LIMIT = 1024
+_TAIL_BYTES = 512  # enough for an error event and the [DONE] after it
+
+
+def post_request(host: str, port: int, path: str, body: dict) -> bytes:
+    """A POST of `body` as JSON that asks the server to close the connection after answering."""
+    payload = orjson.dumps(body)
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
+    return head.encode("ascii") + payload
+
+
+class SlowReader:
+    """One connection whose owner decides how fast the response is read; counts the bytes it read."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.received = 0
+        self.head = b""  # the first bytes of the response, up to the end of its status line at least
+        self.tail = b""  # the last bytes read, to spot the end of a stream
+
+    @classmethod
+    async def open(cls, host: str, port: int, receive_buffer: int = 4096) -> SlowReader:
+        """Connect with SO_RCVBUF set before connecting (so the TCP window starts small too)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        except BaseException:
+            sock.close()
+            raise
+        reader, writer = await asyncio.open_connection(sock=sock, limit=_READER_LIMIT)
+        return cls(reader, writer)
+
+    async def send(self, request: bytes) -> None:
+        """Write the whole request."""
+        self._writer.write(request)
+        await self._writer.drain()
+
+    async def read_some(self, size: int) -> bytes:
+        """Up to `size` bytes (b"" once the server has closed)."""
+        data = await self._reader.read(size)
+        self.received += len(data)
+        if len(self.head) < 64:
+            self.head += data[: 64 - len(self.head)]
+        self.tail = (self.tail + data)[-_TAIL_BYTES:]
+        return data
+
+    async def read_slowly(self, size: int, interval: float, max_seconds: float) -> bool:
+        """Read `size` bytes every `interval` seconds until the server closes (True) or time runs out (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max_seconds
+        while loop.time() < deadline:
+            try:
+                data = await asyncio.wait_for(self.read_some(size), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return False
+            if not data:
+                return True
+            await asyncio.sleep(interval)
+        return False
+
+    def status(self) -> int | None:
+        """The response's status code, once its status line has been read."""
+        parts = self.head.split(b" ", 2)
+        return int(parts[1]) if len(parts) > 2 and parts[0].startswith(b"HTTP/") and parts[1].isdigit() else None
+
+    def close(self) -> None:
+        """Drop the connection at once (an RST when unread data remains), as a client that gives up does."""
+        self._writer.transport.abort()

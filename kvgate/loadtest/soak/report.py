@@ -1,16 +1,25 @@
-"""The soak report: Markdown for the docs, and a plot of kvgate's memory and descriptors over time."""
+"""What the soak saw: kvgate's memory, descriptors and CPU over time, what they say, its Markdown and plot."""
 
 from __future__ import annotations
 
+import contextlib
+import statistics
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import psutil
+
+from kvgate.loadtest.kit.report import table
 
 matplotlib.use("Agg")  # headless: the plot goes to a file
 import matplotlib.pyplot as plt  # noqa: E402
 
-from kvgate.loadtest.soak.summary import FLAT_GROWTH, FLAT_SLOPE_MB_PER_MIN  # noqa: E402
+# Memory counts as flat when, after warm-up, it grows slower than this and ends within this factor of its level then.
+FLAT_SLOPE_MB_PER_MIN = 1.0
+FLAT_GROWTH = 1.2
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -39,11 +48,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def _outcome_rows(report: dict[str, Any]) -> list[str]:
-    lines = ["| client kind | requests | outcomes |", "|---|---|---|"]
-    for kind, stats in report["by_kind"].items():
-        outcomes = ", ".join(f"{name} {count}" for name, count in stats["outcomes"].items())
-        lines.append(f"| {kind} | {stats['started']} | {outcomes} |")
-    return lines
+    return table(("client kind", "requests", "outcomes"), [
+        (kind, stats["started"], ", ".join(f"{name} {count}" for name, count in stats["outcomes"].items()))
+        for kind, stats in report["by_kind"].items()])
 
 
 def _counter_line(counters: dict[str, float]) -> str:
@@ -111,3 +118,69 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Plot of RSS and descriptors over time: `{meta['plot']}` (written by each run, not kept in git).",
     ]
     return "\n".join(lines) + "\n"
+
+
+class ProcessSampler:
+    """Readings of one process: resident memory, open descriptors, and CPU (share of one core) since the last one."""
+
+    def __init__(self, pid: int) -> None:
+        self._process = psutil.Process(pid)
+        self._start = self._last_wall = time.monotonic()
+        self._last_cpu = self._cpu_seconds()
+        self.samples: list[dict[str, Any]] = []
+
+    def elapsed(self) -> float:
+        """Seconds since the sampler was made, to a hundredth."""
+        return round(time.monotonic() - self._start, 2)
+
+    def read(self) -> dict[str, Any]:
+        """One reading now: `t` (seconds since the sampler was made), `rss_mb`, `fds` and `cpu`."""
+        now, cpu_seconds = time.monotonic(), self._cpu_seconds()
+        busy = (cpu_seconds - self._last_cpu) / (now - self._last_wall) if now > self._last_wall else 0.0
+        self._last_wall, self._last_cpu = now, cpu_seconds
+        with self._process.oneshot():
+            return {"t": round(now - self._start, 2), "rss_mb": round(self._process.memory_info().rss / 2**20, 2),
+                    "fds": self._process.num_fds(), "cpu": round(busy, 3)}
+
+    async def record(self) -> None:
+        """Keep one reading in `samples` (none once the process has exited)."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self.samples.append(self.read())
+
+    def _cpu_seconds(self) -> float:
+        times = self._process.cpu_times()
+        return times.user + times.system
+
+
+def after_warmup(samples: Sequence[dict[str, Any]], warmup_s: float, load_end_s: float) -> list[dict[str, Any]]:
+    """The samples taken under load once warm-up was over (the later half of the load when too few remain)."""
+    loaded = [s for s in samples if s["t"] <= load_end_s]
+    steady = [s for s in loaded if s["t"] >= warmup_s]
+    return steady if len(steady) >= 3 else loaded[len(loaded) // 2:]
+
+
+def memory_summary(samples: Sequence[dict[str, Any]], warmup_s: float, load_end_s: float) -> dict[str, Any]:
+    """RSS first/min/max/last, its level at warm-up end, its least-squares slope after warm-up, and the verdict."""
+    rss = [s["rss_mb"] for s in samples]
+    steady = after_warmup(samples, warmup_s, load_end_s)
+    slope = statistics.linear_regression([s["t"] / 60 for s in steady], [s["rss_mb"] for s in steady]).slope \
+        if len(steady) >= 2 and steady[-1]["t"] > steady[0]["t"] else 0.0
+    at_warmup = steady[0]["rss_mb"] if steady else rss[0]
+    end_of_load = steady[-1]["rss_mb"] if steady else rss[-1]
+    return {"first_mb": rss[0], "min_mb": min(rss), "max_mb": max(rss), "last_mb": rss[-1],
+            "warmup_end_s": steady[0]["t"] if steady else 0.0, "at_warmup_end_mb": at_warmup,
+            "end_of_load_mb": end_of_load, "slope_mb_per_min": round(slope, 3),
+            "flat": slope < FLAT_SLOPE_MB_PER_MIN and end_of_load <= FLAT_GROWTH * at_warmup}
+
+
+def fd_summary(samples: Sequence[dict[str, Any]], before_load: int, load_end_s: float) -> dict[str, Any]:
+    """Open descriptors before the load, their range under it, at its end, and after the settling time."""
+    loaded = [s["fds"] for s in samples if s["t"] <= load_end_s]
+    return {"before_load": before_load, "min": min(loaded), "max": max(loaded), "end_of_load": loaded[-1],
+            "after_settle": samples[-1]["fds"]}
+
+
+def cpu_summary(samples: Sequence[dict[str, Any]], load_end_s: float) -> dict[str, float]:
+    """kvgate's CPU (share of one core) under the load: mean and highest sample."""
+    loaded = [s["cpu"] for s in samples[1:] if s["t"] <= load_end_s] or [0.0]
+    return {"mean": round(statistics.fmean(loaded), 3), "max": max(loaded)}
