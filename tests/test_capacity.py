@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_slots, room_for,
-                                      seat_to_free)
+from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_fits, kv_slots,
+                                      room_for, seat_to_free)
 from kvgate.policies.rendezvous import retry_order
 
 
@@ -59,6 +59,9 @@ def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_the
     assert seat_to_free([over], victims, {}) == [Holder(1), Holder(5)]
     assert seat_to_free([over], victims, {"a": 1}) == [Holder(5)]  # one already let go
     assert seat_to_free([replica("c", seats=None, running=2)], {"c": [Holder(4)]}, {}) == []  # seats unknown
+    kv_full = EndpointState(Endpoint("d", "http://d:8000"), metrics=ReplicaMetrics(
+        running=4, waiting=1, kv_cache_usage=0.81, scraped_at=1.0, stale=False))  # its cache holds four of these
+    assert seat_to_free([kv_full], {"d": [Holder(6), Holder(7)]}, {}) == [Holder(6), Holder(7)]
 
 
 def test_retries_try_every_candidate_after_the_ranked_ones_least_loaded_first() -> None:
@@ -94,3 +97,16 @@ def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what
     queued = EndpointState(Endpoint("a", "http://a:8000"), metrics=ReplicaMetrics(running=15, waiting=1,
                                                                                   scraped_at=1.0, stale=False))
     assert room_for([queued], SaturationThresholds(), ClassStanding(yields=True)) == 0
+
+
+def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_scrape() -> None:
+    def cache(running: int, usage: float, recent: int = 0) -> EndpointState:  # 500 blocks of 16 tokens
+        metrics = ReplicaMetrics(running=running, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500,
+                                 scraped_at=1.0, stale=False)
+        return EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=recent)
+
+    assert not kv_fits(cache(4, 0.81), 1500)  # 1,520 tokens free, less a block for each running one to grow
+    assert kv_fits(cache(3, 0.61), 1500)
+    assert not kv_fits(cache(3, 0.61, recent=1), 1500)  # one sent since holds as much as each running one
+    assert kv_fits(cache(4, 0.81), 100)  # a short prompt still fits beside long ones
+    assert kv_fits(EndpointState(Endpoint("b", "http://b:8000")), 10**6)  # never scraped: no reason to think not

@@ -71,11 +71,11 @@ class AdmissionQueue:
     """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
 
     def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
-                 room: Callable[[str, ClassStanding], float], metrics: GatewayMetrics,
+                 room: Callable[[RequestInfo, ClassStanding], float], metrics: GatewayMetrics,
                  preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._classes = priorities.classes
-        self._room = room  # (model, the class's standing) -> requests of that class the fleet takes now
+        self._room = room  # (a request, its class's standing) -> requests like it the fleet takes now
         self._metrics = metrics
         self._preemption = preemption
         self._clock = clock
@@ -105,7 +105,7 @@ class AdmissionQueue:
         preemptible = self.preemptible(info, preemptions)
         if not preemptions:
             self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
-        if not self._waiting(model, rank) and self._has_room(model, rank, preemptible):
+        if not self._waiting(model, rank) and self._has_room(info, rank, preemptible):
             self._metrics.admitted.labels(info.priority_class, "direct").inc()
             return self._standing(model, rank, preemptible)
         waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future(), preemptible)
@@ -154,9 +154,11 @@ class AdmissionQueue:
         queues = self._queues.get(model, ())
         return any(queues if rank is None else queues[:rank + 1])
 
-    def _has_room(self, model: str, rank: int, preemptible: bool) -> bool:
-        """Whether the fleet takes one more request of class `rank`, besides those released and not yet sent."""
-        return self._room(model, self._standing(model, rank, preemptible)) - self._pending[model] >= 1
+    def _has_room(self, info: RequestInfo, rank: int, preemptible: bool) -> bool:
+        """Whether the fleet takes one more request like `info` of class `rank`, besides those released and not
+        yet sent."""
+        model = info.model
+        return self._room(info, self._standing(model, rank, preemptible)) - self._pending[model] >= 1
 
     def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
         """Where class `rank` of `model` stands against the other classes now."""
@@ -277,7 +279,8 @@ class AdmissionQueue:
         """
         ranks = [rank for rank, queue in enumerate(queues) if queue]
         top = ranks[0]
-        if not self._has_room(model, top, queues[top].peek().preemptible):
+        head = queues[top].peek()
+        if not self._has_room(head.info, top, head.preemptible):
             return None
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0

@@ -21,6 +21,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate.policies.capacity import ClassStanding, has_room
+from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.types import Decision
 from kvgate.router.auth import KEY_INFO, KeyInfo
 from kvgate.router.errors import GatewayError, error_response
@@ -98,17 +99,19 @@ class RequestPipeline:
                standing: ClassStanding | None = None) -> Decision:
         """The policy's choice on one snapshot of the fleet (of `subset` when given); 503 when nothing can take it.
 
-        A class that yields to a more important one (its `standing` in admission) chooses among the replicas
-        with room for it, when any has: admission counts room over the whole fleet, and a request sent where
-        there is none waits inside that replica, first come first served, ahead of more important ones.
+        While other classes have traffic (its `standing` in admission), a request chooses among the replicas
+        with room for it and KV blocks free for its prompt, when any has: admission counts room over the whole
+        fleet, and a request sent where there is none waits inside that replica, first come first served,
+        behind less important ones or ahead of more important ones.
         """
         gateway = self.gateway
         snapshot = gateway.fleet.snapshot()
         if subset is not None:
             snapshot = snapshot.restricted(lambda state: state.endpoint.address in subset)
-        if standing is not None and standing.yields:
+        if standing is not None and not standing.alone:
+            tokens = prompt_tokens(request.info, gateway.config.routing)
             roomy = {state.key for state in snapshot.candidates(request.model)
-                     if has_room(state, gateway.config.saturation, standing)}
+                     if has_room(state, gateway.config.saturation, standing, tokens)}
             if roomy:
                 snapshot = snapshot.restricted(lambda state: state.key in roomy)
         decision = gateway.policy.pick(request.info, snapshot)
