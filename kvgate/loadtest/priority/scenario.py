@@ -1,5 +1,5 @@
 """`kvgate bench priority`: interactive latency and batch throughput under overload, with and without admission
-control; the children's logs go to OUT/logs."""
+control, on simulated replicas or real vLLM engines; the children's logs go to OUT/logs."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import argparse
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from kvgate.loadtest.kit.counters import metric_samples, sampling
-from kvgate.loadtest.kit.processes import running, start_gateway, start_sim_fleet
+from kvgate.loadtest.kit.counters import ReplicaProbe, SimProbe, metric_samples, sampling
+from kvgate.loadtest.kit.processes import free_ports, running, start_gateway, start_sim_fleet
+from kvgate.loadtest.kit.tiny_model import write_tiny_model
+from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, start_engines, vllm_python
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
 from kvgate.loadtest.priority.client import (
     INTERACTIVE,
@@ -28,6 +31,7 @@ from kvgate.loadtest.priority.client import (
     run_open_loop,
 )
 from kvgate.loadtest.priority.report import QueueSamples, RunResult, render_markdown, summarise, verdict
+from kvgate.loadtest.routing.vllm_fleet import VllmProbe
 from kvgate.simulator import SimOptions
 
 # Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.
@@ -51,6 +55,10 @@ class RowSpec:
     no_config: bool = False  # `kvgate serve --endpoints ...` and nothing else: kvgate's defaults, seats learned
     batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
 
+    def sim_options(self, base: SimOptions) -> SimOptions:
+        """Replica settings of this row: `base`, with priority scheduling when kvgate sends priorities."""
+        return dataclasses.replace(base, priority_scheduling=self.upstream_priority)
+
     def gateway_flags(self, sim: SimOptions) -> list[str]:
         """`kvgate serve` flags of this row in front of replicas run with `sim`, besides listen and endpoints."""
         if self.no_config:
@@ -61,10 +69,6 @@ class RowSpec:
         elif not self.seats_learned:  # as the manifests in deploy/ do
             flags += ["--saturation-seats", str(sim.max_num_seqs)]
         return flags + (["--upstream-priority", "true"] if self.upstream_priority else [])
-
-    def sim_options(self, base: SimOptions) -> SimOptions:
-        """Replica settings of this row: `base`, with priority scheduling when kvgate sends priorities."""
-        return dataclasses.replace(base, priority_scheduling=self.upstream_priority)
 
 
 ADMISSION = RowSpec("a", "cache-aware + admission control as deploy/ ships it: max_num_seqs configured, "
@@ -100,6 +104,7 @@ class Plan:
     batch_fraction: float = 0.7
     lead_in_s: float = 5.0  # interactive traffic alone before the batch flood starts
     seed: int = 1
+    real: bool = False  # real vLLM engines (the CPU build, one per core) with the sim's seats and model name
 
     @property
     def drain_cap_s(self) -> float:
@@ -144,6 +149,9 @@ FLEETS = {
                                    default_max_tokens=32), "prompt_words": 1000, "rows": ("b", "g", "h")},
     "seats256": {"sim": SimOptions(max_num_seqs=256, num_gpu_blocks=4096, decode_step_seconds=0.02,
                                    decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h")},
+    # Two real engines of 8 seats, the tiny model with dummy weights; row a: their queues ordered by vLLM's priority.
+    "real": {"sim": SimOptions(max_num_seqs=8, default_max_tokens=32, models=("tiny-llama",)), "replicas": 2,
+             "real": True, "rows": ("b", "a", "g", "h")},
 }
 QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"))
 
@@ -160,16 +168,41 @@ async def admission_counters(gateway_url: str) -> dict[str, float]:
     return counters
 
 
+@asynccontextmanager
+async def _fleet(plan: Plan, name: str, sim: SimOptions, log_dir: Path) -> AsyncIterator[list[str]]:
+    """A fresh fleet of the plan's replicas run with `sim`, its URLs: simulated, or real vLLM engines with its seats,
+    model name and priority scheduling."""
+    if not plan.real:
+        async with running(start_sim_fleet(name, plan.replicas, sim, log_dir)) as urls:
+            yield urls
+        return
+    python = vllm_python()
+    if python is None:
+        raise BadOption(f"--fleet real needs {VLLM_PYTHON_ENV}, an interpreter with vLLM (./dev real makes one)")
+    model_dir = log_dir / "model"
+    if not (model_dir / "tokenizer.json").exists():
+        write_tiny_model(model_dir)
+    specs = [EngineSpec(port=port, cpu=index % 2, model_dir=model_dir, served_model_name=sim.models[0],
+                        max_num_seqs=sim.max_num_seqs, priority_scheduling=sim.priority_scheduling)
+             for index, port in enumerate(free_ports(plan.replicas))]
+    engines = await asyncio.to_thread(start_engines, specs, log_dir / name, python)
+    try:
+        yield [engine.url for engine in engines]
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(engine.stop) for engine in engines))
+
+
 async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: str, rate: float, duration: float,
                batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0) -> RunResult:
     """One open-loop run through `gateway_url`, the queues sampled while the load is on."""
     arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
     loop = asyncio.get_running_loop()
     load_end, queues = loop.time() + lead_in_s + duration, QueueSamples()
+    probe: ReplicaProbe = VllmProbe() if plan.real else SimProbe()
 
     async def sample() -> None:
         if loop.time() < load_end:
-            await queues.sample(session, gateway_url, urls)
+            await queues.sample(session, gateway_url, urls, probe)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         async with sampling(_QUEUE_SAMPLE_SECONDS, sample):
@@ -181,7 +214,7 @@ async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: s
 async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], None]) -> dict[str, Any]:
     """Capacity probe, unloaded baseline, then each overload row on a fresh fleet; the report as plain JSON."""
     seats = plan.replicas * plan.sim.max_num_seqs
-    async with running(start_sim_fleet("capacity-sim", plan.replicas, plan.sim, log_dir)) as urls:
+    async with _fleet(plan, "capacity-fleet", plan.sim, log_dir) as urls:
         capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
         progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
         async with running(start_gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir)) as url:
@@ -192,9 +225,9 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
     runs: list[RunResult] = []
     for key in plan.rows:
         row = ROWS[key]
-        sims = start_sim_fleet(f"row-{key}-sim", plan.replicas, row.sim_options(plan.sim), log_dir)
-        async with running(sims) as urls, running(start_gateway(f"row-{key}-kvgate", urls, row.gateway_flags(plan.sim),
-                                                                log_dir)) as url:
+        fleet = _fleet(plan, f"row-{key}-fleet", row.sim_options(plan.sim), log_dir)
+        async with fleet as urls, running(start_gateway(f"row-{key}-kvgate", urls, row.gateway_flags(plan.sim),
+                                                        log_dir)) as url:
             run = await _run(plan, url, urls, key, row.title, plan.overload_factor * capacity, plan.overload_s,
                              plan.batch_fraction, plan.seed + 1,
                              functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)
@@ -209,7 +242,8 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
                      "seats": seats},
         "unloaded": unloaded.to_json(),
         "runs": [run.to_json() for run in runs],
-        "verdicts": [verdict(run, unloaded, fifo) for run in runs if ROWS[run.key].admission],
+        "verdicts": [verdict(run, unloaded, fifo, ROWS[run.key].batch_stream) for run in runs
+                     if ROWS[run.key].admission],
     }
 
 
@@ -220,7 +254,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--capacity-duration", type=float, help="seconds the capacity probe measures")
     parser.add_argument("--replicas", type=int, help="simulated replicas")
     parser.add_argument("--fleet", choices=sorted(FLEETS), default="seats32",
-                        help="the fleet's binding limit: seats (32 each), the KV cache, or compute (256 seats)")
+                        help="the fleet's binding limit: seats (32 each), the KV cache, or compute (256 seats); "
+                             "or 2 real vLLM engines of 8 seats (needs $KVGATE_VLLM_PYTHON, ./dev real sets it up)")
 
 
 def plan_from(options: argparse.Namespace) -> Plan:
