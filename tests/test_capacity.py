@@ -110,3 +110,6 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_
     assert not kv_fits(cache(3, 0.61, recent=1), 1500)  # one sent since holds as much as each running one
     assert kv_fits(cache(4, 0.81), 100)  # a short prompt still fits beside long ones
     assert kv_fits(EndpointState(Endpoint("b", "http://b:8000")), 10**6)  # never scraped: no reason to think not
+    mixed = ClassStanding(alone=False)
+    assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 0
+    assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full

@@ -153,10 +153,11 @@ def kv_fits(state: EndpointState, tokens: int) -> bool:
 
 
 def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int) -> float:
-    """headroom() of one replica; none for a class that does not probe where its prompt would wait for KV blocks;
+    """headroom() of one replica; none for a class that does not probe where its prompt would wait for KV blocks
+    (unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
     for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
     (and `seated_queue` more, as for a replica whose seats are known)."""
-    if tokens and not probe and not kv_fits(state, tokens):
+    if tokens and not probe and limits.kv_cache < 1.0 and not kv_fits(state, tokens):
         return 0.0
     room = headroom(state, limits, probe, kv_bound=yields)
     metrics = state.metrics
