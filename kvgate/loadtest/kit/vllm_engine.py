@@ -4,6 +4,7 @@ ties it to the starting thread, and engines restarted from a worker thread would
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,3 +179,13 @@ def start_engines(specs: list[EngineSpec], workdir: Path, python: str, timeout: 
             engine.stop(grace=5)
         raise
     return engines
+
+
+@asynccontextmanager
+async def running_engines(specs: list[EngineSpec], workdir: Path, python: str) -> AsyncIterator[list[VllmEngine]]:
+    """start_engines off the event loop; every engine stopped when the block exits, however it exits."""
+    engines = await asyncio.to_thread(start_engines, specs, workdir, python)
+    try:
+        yield engines
+    finally:
+        await asyncio.gather(*(asyncio.to_thread(engine.stop) for engine in engines))

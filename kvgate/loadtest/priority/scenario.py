@@ -18,7 +18,7 @@ import aiohttp
 from kvgate.loadtest.kit.counters import ReplicaProbe, SimProbe, metric_samples, sampling
 from kvgate.loadtest.kit.processes import free_ports, running, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
-from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, start_engines, vllm_python
+from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, running_engines, vllm_python
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
 from kvgate.loadtest.priority.client import (
     INTERACTIVE,
@@ -185,11 +185,8 @@ async def _fleet(plan: Plan, name: str, sim: SimOptions, log_dir: Path) -> Async
     specs = [EngineSpec(port=port, cpu=index % 2, model_dir=model_dir, served_model_name=sim.models[0],
                         max_num_seqs=sim.max_num_seqs, priority_scheduling=sim.priority_scheduling)
              for index, port in enumerate(free_ports(plan.replicas))]
-    engines = await asyncio.to_thread(start_engines, specs, log_dir / name, python)
-    try:
+    async with running_engines(specs, log_dir / name, python) as engines:
         yield [engine.url for engine in engines]
-    finally:
-        await asyncio.gather(*(asyncio.to_thread(engine.stop) for engine in engines))
 
 
 async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: str, rate: float, duration: float,

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.loadtest.kit.counters import RunningFleet
 from kvgate.loadtest.kit.processes import free_ports
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
-from kvgate.loadtest.kit.vllm_engine import EngineSpec, VllmEngine, start_engines
+from kvgate.loadtest.kit.vllm_engine import EngineSpec, running_engines
 from kvgate.loadtest.routing.workload import Footprint, WorkloadSpec, system_prompt, user_message
 
 BLOCK_SIZE = 128  # vLLM's block size on CPU
@@ -134,14 +134,11 @@ async def vllm_fleet(spec: WorkloadSpec, replicas: int, cache_fraction: float, p
     specs.append(engine(ports[replicas], 0, sizing.oracle_blocks, sizing.oracle_seats))
     if precise:
         specs.append(engine(ports[replicas + 1], 1, replicas * sizing.fleet_blocks, replicas * sizing.fleet_seats))
-    engines: list[VllmEngine] = await asyncio.to_thread(start_engines, specs, workdir / "engines", python)
-    fleet = engines[:replicas]
-    flags = [flag for e in fleet for flag in ("--kv-events-endpoint", f"{e.url}={e.kv_events_endpoint}",
-                                              "--kv-events-replay-endpoint", f"{e.url}={e.replay_endpoint}")]
-    direct = {"oracle": [engines[replicas].url]} | ({"pressure oracle": [engines[-1].url]} if precise else {})
-    try:
+    async with running_engines(specs, workdir / "engines", python) as engines:
+        fleet = engines[:replicas]
+        flags = [flag for e in fleet for flag in ("--kv-events-endpoint", f"{e.url}={e.kv_events_endpoint}",
+                                                  "--kv-events-replay-endpoint", f"{e.url}={e.replay_endpoint}")]
+        direct = {"oracle": [engines[replicas].url]} | ({"pressure oracle": [engines[-1].url]} if precise else {})
         # The engines' endpoints name an address (no `*`), so vLLM connects out to it and kvgate binds it.
         flags += ["--kv-events-bind", "true", "--tokenizer", f"{spec.model}={model_dir}"]
         yield RunningFleet([e.url for e in fleet], direct, flags)
-    finally:
-        await asyncio.gather(*(asyncio.to_thread(e.stop) for e in engines))
