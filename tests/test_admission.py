@@ -30,7 +30,7 @@ class Room:
         self.reserved = reserved
         self.reserves: list[float] = []
 
-    def __call__(self, model: str, standing: ClassStanding) -> float:
+    def __call__(self, request: RequestInfo, standing: ClassStanding) -> float:
         reserve = standing.kept_reserve
         self.reserves.append(reserve)
         return max(0.0, self.free - self.reserved) if reserve else self.free

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_slots, room_for,
-                                      seat_to_free)
+from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_fits, kv_slots,
+                                      room_for, seat_to_free)
 from kvgate.policies.rendezvous import retry_order
 
 
@@ -59,6 +59,9 @@ def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_the
     assert seat_to_free([over], victims, {}) == [Holder(1), Holder(5)]
     assert seat_to_free([over], victims, {"a": 1}) == [Holder(5)]  # one already let go
     assert seat_to_free([replica("c", seats=None, running=2)], {"c": [Holder(4)]}, {}) == []  # seats unknown
+    kv_full = EndpointState(Endpoint("d", "http://d:8000"), metrics=ReplicaMetrics(
+        running=4, waiting=1, kv_cache_usage=0.81, scraped_at=1.0, stale=False))  # its cache holds four of these
+    assert seat_to_free([kv_full], {"d": [Holder(6), Holder(7)]}, {}) == [Holder(6), Holder(7)]
 
 
 def test_retries_try_every_candidate_after_the_ranked_ones_least_loaded_first() -> None:
@@ -81,3 +84,32 @@ def test_only_a_class_alone_sends_on_the_hope_that_a_replica_of_unknown_seats_ha
                          metrics=ReplicaMetrics(running=20, scraped_at=1.0, stale=False))  # no queue at its scrape
     assert room_for([busy], SaturationThresholds(queue=5), ClassStanding()) == 5  # the three sent since run
     assert room_for([busy], SaturationThresholds(queue=5), ClassStanding(alone=False)) == 2  # they may be waiting
+
+
+def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what_it_runs_per_scrape() -> None:
+    # Fifteen running in 6 % of the KV cache: the cache would hold 200, but the seats, unknown, may be 16.
+    metrics = ReplicaMetrics(running=15, kv_cache_usage=0.06, scraped_at=1.0, stale=False)
+    idle_cache = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics)
+    assert room_for([idle_cache], SaturationThresholds(), ClassStanding(yields=True)) == 2  # a tenth of 15, rounded up
+    sent_since = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=2)
+    assert room_for([sent_since], SaturationThresholds(), ClassStanding(yields=True)) == 0  # grown by a step already
+    assert room_for([sent_since], SaturationThresholds(), ClassStanding(alone=False)) == 3  # the top class: its queue
+    queued = EndpointState(Endpoint("a", "http://a:8000"), metrics=ReplicaMetrics(running=15, waiting=1,
+                                                                                  scraped_at=1.0, stale=False))
+    assert room_for([queued], SaturationThresholds(), ClassStanding(yields=True)) == 0
+
+
+def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_scrape() -> None:
+    def cache(running: int, usage: float, recent: int = 0) -> EndpointState:  # 500 blocks of 16 tokens
+        metrics = ReplicaMetrics(running=running, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500,
+                                 scraped_at=1.0, stale=False)
+        return EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=recent)
+
+    assert not kv_fits(cache(4, 0.81), 1500)  # 1,520 tokens free, less a block for each running one to grow
+    assert kv_fits(cache(3, 0.61), 1500)
+    assert not kv_fits(cache(3, 0.61, recent=1), 1500)  # one sent since holds as much as each running one
+    assert kv_fits(cache(4, 0.81), 100)  # a short prompt still fits beside long ones
+    assert kv_fits(EndpointState(Endpoint("b", "http://b:8000")), 10**6)  # never scraped: no reason to think not
+    mixed = ClassStanding(alone=False)
+    assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 0
+    assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full

@@ -138,11 +138,11 @@ def test_a_replica_of_unknown_seats_gets_no_queue_from_a_class_keeping_a_reserve
     limits = SaturationThresholds(queue=5)
     unknown = seated("c", seats=None, running=8, waiting=2)
     assert fleet_headroom([unknown], limits) == 3  # a queue of 5 inside it
-    assert fleet_headroom([unknown], limits, reserve=0.25) == 0
+    assert fleet_headroom([unknown], limits, reserve=0.25, yields=True) == 0
     filling = seated("d", seats=None, running=3, recent=-1)  # one finished since the scrape
-    assert fleet_headroom([filling], limits, reserve=0.25) == 1
+    assert fleet_headroom([filling], limits, reserve=0.25, yields=True) == 2  # its place, and one more
     sent = seated("d", seats=None, running=3, recent=1)
-    assert fleet_headroom([sent], limits, reserve=0.25) == 0  # one at a time until a scrape shows where it went
+    assert fleet_headroom([sent], limits, reserve=0.25, yields=True) == 0  # one at a time until a scrape shows it
 
 
 def test_a_request_no_cache_favours_goes_to_a_replica_with_a_free_seat() -> None:

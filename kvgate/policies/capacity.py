@@ -15,6 +15,8 @@ from typing import Protocol, TypeVar
 
 from kvgate.endpoints.types import EndpointState, ReplicaMetrics
 
+_GROWTH = 0.1  # share of its running count a replica of unknown seats may gain per scrape (growth_step)
+
 
 @dataclass(frozen=True)
 class SaturationThresholds:
@@ -97,27 +99,26 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   probe: bool = True, kv_bound: bool = False) -> float:
+                   probe: bool = True, yields: bool = False, tokens: int = 0) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats that must stay free for more important classes,
     pooled over the fleet because a request that needs a seat is routed to whichever replica has one.
-    `probe` and `kv_bound` are headroom()'s. A class keeping a reserve sends a replica whose seats are unknown one request
-    at a time past its last scraped queue: enough to fill it and show its seat count, never a queue that
-    others wait behind.
+    `probe` is headroom()'s. A class that `yields` to a more important one counts what a replica's KV cache
+    holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
+    past its last scrape, so that its requests never make a queue that others wait behind. A class that does
+    not probe finds no room where a prompt of `tokens` (0 = not asked) would wait for KV blocks (kv_fits).
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
     for state in candidates:
-        seats = slots(state.seats, state.metrics, limits.kv_cache) if kv_bound else state.seats
+        seats = slots(state.seats, state.metrics, limits.kv_cache) if yields else state.seats
         if seats:
             seated.append((state, seats))
-        elif reserve > 0:
-            room += min(headroom(state, limits, probe, kv_bound), max(0, 1 - estimated_waiting(state, cautious=True)))
         else:
-            room += headroom(state, limits, probe, kv_bound)
+            room += _room_on(state, limits, probe, yields, tokens)
     if seated:
-        seated_room = sum(headroom(state, limits, probe, kv_bound) for state, _ in seated)
+        seated_room = sum(_room_on(state, limits, probe, yields, tokens) for state, _ in seated)
         if reserve > 0:
             total = sum(seats for _, seats in seated)
             kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
@@ -125,6 +126,55 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
             seated_room = min(seated_room, max(0, free - kept))
         room += seated_room
     return room
+
+
+def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: int = 0) -> bool:
+    """Whether one replica takes one more request of a class so standing, its reserve aside (`tokens` as in
+    fleet_headroom)."""
+    return _room_on(state, limits, standing.probes, standing.yields, tokens) >= 1
+
+
+def kv_fits(state: EndpointState, tokens: int) -> bool:
+    """Whether a prompt of `tokens` finds KV blocks free on the replica now, as far as its last fresh scrape tells.
+
+    vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share
+    of the cache, less what each request sent since holds (the running ones' mean, or this prompt if larger) and
+    a block for each running sequence to grow by; a replica whose cache size is unknown, or whose metrics are
+    stale, is taken to have room.
+    """
+    metrics = state.metrics
+    capacity = metrics.kv_capacity_tokens
+    if capacity is None or metrics.block_size is None or metrics.stale or metrics.scraped_at is None:
+        return True
+    used = metrics.kv_cache_usage * capacity
+    held = max(used / metrics.running if metrics.running else 0.0, tokens)
+    free = capacity - used - max(0, state.recent) * held - metrics.block_size * (metrics.running + 1)
+    return free >= tokens
+
+
+def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int) -> float:
+    """headroom() of one replica; none for a class that does not probe where its prompt would wait for KV blocks
+    (unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
+    for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
+    (and `seated_queue` more, as for a replica whose seats are known)."""
+    if tokens and not probe and limits.kv_cache < 1.0 and not kv_fits(state, tokens):
+        return 0.0
+    room = headroom(state, limits, probe, kv_bound=yields)
+    metrics = state.metrics
+    if not yields or state.seats or metrics.scraped_at is None:
+        return room
+    if metrics.waiting:  # it is full: only what may wait inside a replica (seated_queue) goes on
+        allowed = limits.seated_queue - metrics.waiting - state.recent
+    else:
+        allowed = growth_step(metrics) + limits.seated_queue - state.recent
+    return min(room, max(0, allowed))
+
+
+def growth_step(metrics: ReplicaMetrics) -> int:
+    """Requests a replica of unknown seats may gain between two scrapes that show no queue: a tenth of what it
+    runs, at least one. Its seats are learned only once it is full, so it must fill; growing by a share of
+    itself fills a large replica in a few scrapes and leaves at most that share waiting inside it when full."""
+    return max(1, math.ceil(_GROWTH * metrics.running))
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,18 +200,20 @@ class ClassStanding:
         return self.alone and not self.yields and not self.may_preempt
 
 
-def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding) -> float:
+def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
+             tokens: int = 0) -> float:
     """Requests of one class the candidates take now; infinite when there is no candidate (its 503 is at once).
 
     A replica's own queue is first come first served, so while a more important class has traffic a
     request is never the one let past a replica's learned seat count to wait there (it could take the
     next seat ahead of a more important one), and a request that may preempt one takes a free seat
     rather than a place behind a preemptible one; only `seated_queue` puts requests in a replica's queue
-    then. A preemptible request keeps no reserve, since it gives up its seat on demand.
+    then. A preemptible request keeps no reserve, since it gives up its seat on demand. `tokens` is the
+    asking request's prompt length (fleet_headroom).
     """
     if not candidates:
         return float("inf")
-    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, kv_bound=standing.yields)
+    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, standing.yields, tokens)
 
 
 def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
@@ -248,17 +300,19 @@ def seat_to_free(candidates: Sequence[EndpointState], victims: Mapping[str, Sequ
     """The requests to preempt so that one seat frees up soonest; empty when no replica can free one this way.
 
     `victims` lists each replica's preemptible requests oldest first, `preempted` how many on it already let
-    go. On a replica whose seats are known, freeing one takes as many of its youngest victims as it holds
-    requests beyond its seats, plus one (a request waiting inside it holds no seat). The replica needing the
+    go. On a replica whose seats are known, or else whose KV cache holds a known number of sequences like those
+    it runs (kv_slots, filled to the brim), freeing one takes as many of its youngest victims as it holds
+    requests beyond that count, plus one (a request waiting inside it holds no seat). The replica needing the
     fewest wins, then the one with the youngest victim: the youngest has done the least work, so little is lost.
     """
     best: tuple[tuple[int, int], list[H]] | None = None
     for state in candidates:
         mine = victims.get(state.key, ())
-        if not state.seats or not mine:
+        seats = state.seats or kv_slots(state.metrics, 1.0)
+        if not seats or not mine:
             continue
         held = occupied(state) - preempted.get(state.key, 0)
-        need = max(1, held - state.seats + 1)
+        need = max(1, held - seats + 1)
         if need > len(mine):
             continue
         order = (need, -mine[-1].seq)

@@ -71,11 +71,11 @@ class AdmissionQueue:
     """Holds requests while their model's fleet is saturated and dispatches them in priority order."""
 
     def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
-                 room: Callable[[str, ClassStanding], float], metrics: GatewayMetrics,
+                 room: Callable[[RequestInfo, ClassStanding], float], metrics: GatewayMetrics,
                  preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._config = config
         self._classes = priorities.classes
-        self._room = room  # (model, the class's standing) -> requests of that class the fleet takes now
+        self._room = room  # (a request, its class's standing) -> requests like it the fleet takes now
         self._metrics = metrics
         self._preemption = preemption
         self._clock = clock
@@ -94,8 +94,9 @@ class AdmissionQueue:
         return (self._preemption is not None and not info.stream and info.priority_class in self._config.preemptible
                 and preemptions < self._config.max_preemptions)
 
-    async def admit(self, info: RequestInfo, rank: int, preemptions: int = 0) -> None:
-        """Return when the request (of class `rank`) may go to a replica; raise GatewayError(429) when it is shed.
+    async def admit(self, info: RequestInfo, rank: int, preemptions: int = 0) -> ClassStanding:
+        """Return when the request (of class `rank`) may go to a replica, with its class's standing then (which
+        replicas have room for it depends on it); raise GatewayError(429) when it is shed.
 
         A request coming back after `preemptions` > 0 preemptions queues at the head of its class, unbounded:
         it was admitted once already.
@@ -104,9 +105,9 @@ class AdmissionQueue:
         preemptible = self.preemptible(info, preemptions)
         if not preemptions:
             self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
-        if not self._waiting(model, rank) and self._has_room(model, rank, preemptible):
+        if not self._waiting(model, rank) and self._has_room(info, rank, preemptible):
             self._metrics.admitted.labels(info.priority_class, "direct").inc()
-            return
+            return self._standing(model, rank, preemptible)
         waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future(), preemptible)
         self._enqueue(model, waiter, requeued=preemptions > 0)
         self._preempt_for(model)
@@ -129,6 +130,7 @@ class AdmissionQueue:
         self._pending[model] -= 1  # the caller sends it to a replica before it next yields
         self._metrics.queue_wait.labels(info.priority_class).observe(self._clock() - waiter.enqueued)
         self._metrics.admitted.labels(info.priority_class, "queued").inc()
+        return self._standing(model, rank, preemptible)
 
     def release(self, model: str) -> None:
         """A request of `model` finished: its replica may have room again."""
@@ -152,15 +154,20 @@ class AdmissionQueue:
         queues = self._queues.get(model, ())
         return any(queues if rank is None else queues[:rank + 1])
 
-    def _has_room(self, model: str, rank: int, preemptible: bool) -> bool:
-        """Whether the fleet takes one more request of class `rank`, besides those released and not yet sent."""
+    def _has_room(self, info: RequestInfo, rank: int, preemptible: bool) -> bool:
+        """Whether the fleet takes one more request like `info` of class `rank`, besides those released and not
+        yet sent."""
+        model = info.model
+        return self._room(info, self._standing(model, rank, preemptible)) - self._pending[model] >= 1
+
+    def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
+        """Where class `rank` of `model` stands against the other classes now."""
         yields, alone = self._yields(model, rank), self._alone(model, rank)
         # Whether it may preempt matters only to a class that would probe (alone, yielding to none): ask only then,
         # since it walks every replica's preemptible requests.
-        standing = ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0), yields=yields,
-                                 preemptible=preemptible, alone=alone,
-                                 may_preempt=alone and not yields and self._may_preempt(model, rank))
-        return self._room(model, standing) - self._pending[model] >= 1
+        return ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0), yields=yields,
+                             preemptible=preemptible, alone=alone,
+                             may_preempt=alone and not yields and self._may_preempt(model, rank))
 
     def _may_preempt(self, model: str, rank: int) -> bool:
         """Whether a request of class `rank` could take the seat of a less important one now."""
@@ -272,7 +279,8 @@ class AdmissionQueue:
         """
         ranks = [rank for rank, queue in enumerate(queues) if queue]
         top = ranks[0]
-        if not self._has_room(model, top, queues[top].peek().preemptible):
+        head = queues[top].peek()
+        if not self._has_room(head.info, top, head.preemptible):
             return None
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0

@@ -19,8 +19,9 @@ from kvgate.endpoints.types import Endpoint, EndpointState
 from kvgate.engine.tokenizer import TokenizerError
 from kvgate.policies import build_policy
 from kvgate.policies.capacity import ClassStanding, occupied, room_for
+from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.precise_index import PrecisePrefixIndex
-from kvgate.policies.types import Policy
+from kvgate.policies.types import Policy, RequestInfo
 from kvgate.router.admission import AdmissionQueue
 from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from kvgate.router.config import ConfigError, GatewayConfig, tokenizer_dirs
@@ -162,9 +163,11 @@ class Gateway:
         """The replicas that may take a request for `model` now."""
         return self.fleet.snapshot().candidates(model)
 
-    def _room(self, model: str, standing: ClassStanding) -> float:
-        """Requests of a class standing so that `model`'s replicas take them now (the capacity model's answer)."""
-        return room_for(self._candidates(model), self.config.saturation, standing)
+    def _room(self, request: RequestInfo, standing: ClassStanding) -> float:
+        """Requests like `request`, of a class so standing, that its model's replicas take now (the capacity
+        model's answer)."""
+        return room_for(self._candidates(request.model), self.config.saturation, standing,
+                        prompt_tokens(request, self.config.routing))
 
     def _describe_events(self, key: str, stats: ReplicaEventStats | None) -> dict[str, Any] | None:
         """One replica's KV events subscription for /debug/fleet; None when it has no events address."""

@@ -20,6 +20,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from kvgate.policies.capacity import ClassStanding, has_room
+from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.types import Decision
 from kvgate.router.auth import KEY_INFO, KeyInfo
 from kvgate.router.errors import GatewayError, error_response
@@ -87,18 +89,31 @@ class RequestPipeline:
         gateway = self.gateway
         if not gateway.serves(request.model) and gateway.models_known():
             raise GatewayError(404, f"The model `{request.model}` does not exist.", param="model")
-        await gateway.admission.admit(request.info, request.rank)
+        standing = await gateway.admission.admit(request.info, request.rank)
         try:
-            yield self.decide(request, subset)
+            yield self.decide(request, subset, standing)
         finally:
             gateway.admission.release(request.model)
 
-    def decide(self, request: InferenceRequest, subset: Collection[str] | None = None) -> Decision:
-        """The policy's choice on one snapshot of the fleet (of `subset` when given); 503 when nothing can take it."""
+    def decide(self, request: InferenceRequest, subset: Collection[str] | None = None,
+               standing: ClassStanding | None = None) -> Decision:
+        """The policy's choice on one snapshot of the fleet (of `subset` when given); 503 when nothing can take it.
+
+        While other classes have traffic (its `standing` in admission), a request chooses among the replicas
+        with room for it and KV blocks free for its prompt, when any has: admission counts room over the whole
+        fleet, and a request sent where there is none waits inside that replica, first come first served,
+        behind less important ones or ahead of more important ones.
+        """
         gateway = self.gateway
         snapshot = gateway.fleet.snapshot()
         if subset is not None:
             snapshot = snapshot.restricted(lambda state: state.endpoint.address in subset)
+        if standing is not None and not standing.alone:
+            tokens = prompt_tokens(request.info, gateway.config.routing)
+            roomy = {state.key for state in snapshot.candidates(request.model)
+                     if has_room(state, gateway.config.saturation, standing, tokens)}
+            if roomy:
+                snapshot = snapshot.restricted(lambda state: state.key in roomy)
         decision = gateway.policy.pick(request.info, snapshot)
         if decision is None:
             raise GatewayError(503, "no replica can take this request now; retry shortly",
@@ -143,8 +158,8 @@ class RequestPipeline:
                 log.info("preempted id=%s replica=%s class=%s times=%d", outcome.request_id, outcome.replica,
                          request.info.priority_class, preemptions)
                 gateway.admission.release(request.model)  # its seat goes to the request that preempted it
-                await gateway.admission.admit(request.info, request.rank, preemptions)
-                decision = self.decide(request)
+                standing = await gateway.admission.admit(request.info, request.rank, preemptions)
+                decision = self.decide(request, standing=standing)
                 targets = iter((decision.endpoint, *decision.fallbacks))
                 target = next(targets)
 

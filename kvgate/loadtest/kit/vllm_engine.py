@@ -131,6 +131,15 @@ class VllmEngine:
         if self.process is not None and self.process.poll() is None:
             (os.killpg if group else os.kill)(self.process.pid, signum)
 
+    def kill_group(self) -> None:
+        """SIGKILL every process of the engine's group, those its API server left behind when it exited included."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
         if self.process is None:
@@ -140,10 +149,7 @@ class VllmEngine:
             self.process.wait(grace)
         except subprocess.TimeoutExpired:
             pass
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)  # workers the API server left behind go too
-        except ProcessLookupError:
-            pass
+        self.kill_group()
         self.process.wait(5)
         self.process = None
 
