@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from kvgate.loadtest.picker import COST_ROWS, ENVOY, PICKER, PROXY, QUICK, ROUTING_ROWS, render_markdown, run_picker
+from kvgate.loadtest.picker import (
+    COST_ROWS,
+    ENVOY,
+    PICKER,
+    PRECISE,
+    PROXY,
+    QUICK,
+    ROUTING_ROWS,
+    TWO_PICKERS,
+    render_markdown,
+    run_picker,
+)
 
 
 async def test_quick_run_measures_every_row_and_renders_the_targets(envoy_binary, tmp_path) -> None:
@@ -14,6 +25,8 @@ async def test_quick_run_measures_every_row_and_renders_the_targets(envoy_binary
     # conversations stay on their replica through the picker as through the proxy; round-robin spreads them
     assert routing[PICKER]["hit_rate"] > routing[ENVOY]["hit_rate"]
     assert routing[PROXY]["hit_rate"] > routing[ENVOY]["hit_rate"]
+    # pickers following the replicas' KV events route by what the replicas hold, whichever picker Envoy asks
+    assert routing[TWO_PICKERS + PRECISE]["hit_rate"] > routing[ENVOY]["hit_rate"]
     assert cost[ENVOY]["kvgate_cpu_ms_per_request"] is None and cost[PICKER]["kvgate_cpu_ms_per_request"] is not None
     markdown = render_markdown(report)
     assert "added TTFB of the picker path over Envoy alone" in markdown and markdown.count("\n| ") >= 8

@@ -104,8 +104,12 @@ async def test_sse_streams_chunk_by_chunk_and_lands_on_the_picked_replica(envoy_
                     [running] = [url for url, r in zip(fleet.urls, fleet.replicas) if r.stats()["running"]]
                     assert held.endpoint.url == running
         await wait_until(lambda: not any(s.in_flight for s in gw.gateway.fleet.snapshot().endpoints))
+        messages = {sample.labels["kind"]: sample.value for sample in gw.gateway.metrics.picker_messages.collect()[0]
+                    .samples if sample.name.endswith("_total")}
     assert body.endswith(b"data: [DONE]\n\n") and body.count(b"data: ") >= 30
     assert len(arrivals) >= 10 and arrivals[-1] - arrivals[0] > 0.1  # relayed as generated, not buffered
+    # Envoy relays the chunks by itself: kvgate hears of the request, never of its response's body
+    assert messages["request_headers"] == 1 and "response_body" not in messages, messages
 
 
 async def test_a_shed_batch_request_gets_429_through_envoy(envoy_binary) -> None:

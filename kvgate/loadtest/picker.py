@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
-from kvgate.loadtest.kit.counters import read_stats, reset_stats
+from kvgate.loadtest.kit.counters import read_stats, reset_stats, wait_kv_events
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
 from kvgate.loadtest.kit.processes import (
     HOST,
@@ -33,12 +33,15 @@ from kvgate.loadtest.kit.report import publish
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
+from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
 from kvgate.loadtest.routing.client import ConversationDriver
 from kvgate.loadtest.routing.report import EXTERNAL, KVGATE, RowPlan, RowRun, summarise_row
+from kvgate.loadtest.routing.runner import precise_args
 from kvgate.loadtest.routing.workload import (
     DEFAULT_WORKLOAD,
     QUICK_WORKLOAD,
+    REAL_TOKENIZER_CHARS_PER_TOKEN,
     Footprint,
     WorkloadSpec,
     build_conversations,
@@ -48,7 +51,8 @@ from kvgate.simulator import SimOptions
 
 PROXY, ENVOY = "kvgate proxy", "Envoy round-robin"
 PICKER, TWO_PICKERS = "Envoy + kvgate picker", "Envoy + 2 kvgate pickers"
-ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS)
+PRECISE = ", precise"  # suffix of the rows whose kvgates route on the replicas' KV events
+ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS, PROXY + PRECISE, PICKER + PRECISE, TWO_PICKERS + PRECISE)
 _T = TypeVar("_T")
 COST_ROWS = (ENVOY, PICKER, PROXY)
 REPLICAS = 3
@@ -75,40 +79,54 @@ QUICK = Plan(dataclasses.replace(QUICK_WORKLOAD, duration=5.0, conversations=12)
 
 
 @asynccontextmanager
-async def routed(row: str, replicas: Sequence[str], envoy: Path,
-                 log_dir: Path) -> AsyncIterator[tuple[str, list[ChildProcess]]]:
-    """Start what routes `row` in front of `replicas`; yields the URL clients use and the kvgate processes."""
+async def routed(row: str, replicas: Sequence[str], envoy: Path, log_dir: Path,
+                 flags: Sequence[str] = ()) -> AsyncIterator[tuple[str, list[ChildProcess], list[str]]]:
+    """Start what routes `row` in front of `replicas`, kvgate with `flags`; yields the URL clients use, the kvgate
+    processes and their HTTP URLs."""
+    kind = row.removesuffix(PRECISE)
     async with AsyncExitStack() as stack:
         gateways: list[ChildProcess] = []
-        pickers = {PICKER: 1, TWO_PICKERS: 2}.get(row, 0)
+        urls: list[str] = []
+        pickers = {PICKER: 1, TWO_PICKERS: 2}.get(kind, 0)
         ports = free_ports(pickers)
-        for n in range(max(pickers, row == PROXY)):
+        for n in range(max(pickers, kind == PROXY)):
             extra = ["--picker-listen", f"{HOST}:{ports[n]}"] if pickers else []
-            child, url = await start_gateway(f"{row}-{n}".replace(" ", ""), replicas, ["--policy", POLICY, *extra],
-                                             log_dir)
+            child, url = await start_gateway(f"{row}-{n}".replace(" ", "").replace(",", ""), replicas,
+                                             ["--policy", POLICY, *extra, *flags], log_dir)
             stack.push_async_callback(child.stop)
             gateways.append(child)
-        if row == PROXY:
-            yield url, gateways
+            urls.append(url)
+        if kind == PROXY:
+            yield urls[0], gateways, urls
             return
         route = PickerRoute(tuple(ports)) if pickers else None
         proxy = await stack.enter_async_context(running_envoy(envoy, envoy_config(replicas, route)))
-        yield proxy.url, gateways
+        yield proxy.url, gateways, urls
 
 
 async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> list[dict[str, Any]]:
-    """Part 1: every routing row on one simulated fleet, its caches reset between rows."""
+    """Part 1: every routing row on one simulated fleet, its caches reset between rows. The replicas tokenize with
+    the tiny local model and publish KV events, which the precise rows' kvgates follow."""
     spec = plan.workload
     conversations = build_conversations(spec)
+    tokenizer_dir = write_tiny_model(log_dir / "tiny-model")
     base = SimOptions(speed=speed)
-    options = fleet_options(Footprint.of_chats(spec, base.block_size), spec.model, base, cache_fraction=0.5)
+    options = dataclasses.replace(
+        fleet_options(Footprint.of_chats(spec, base.block_size, REAL_TOKENIZER_CHARS_PER_TOKEN), spec.model, base,
+                      cache_fraction=0.5), tokenizer=str(tokenizer_dir), kv_events=True)
     rows = []
     async with running(start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)) as urls:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
             for name in ROUTING_ROWS:
-                async with routed(name, urls, envoy, log_dir) as (target, _):
+                precise = name.endswith(PRECISE)
+                flags = precise_args(urls, options, tokenizer_dir) if precise else []
+                async with routed(name, urls, envoy, log_dir, flags) as (target, _, gateway_urls):
+                    if precise:
+                        await wait_kv_events(session, gateway_urls, precise=False)  # so the reset is seen
                     await reset_stats(session, urls)
-                    row = RowRun(RowPlan(name, KVGATE if name == PROXY else EXTERNAL))
+                    if precise:
+                        await wait_kv_events(session, gateway_urls, precise=True)
+                    row = RowRun(RowPlan(name, KVGATE if name.startswith(PROXY) else EXTERNAL))
                     start = time.monotonic()
                     row.samples = await ConversationDriver(spec, [target]).run(conversations)
                     row.wall_seconds = time.monotonic() - start
@@ -129,12 +147,15 @@ async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, An
         urls = await stack.enter_async_context(running(start_stub("stub", REPLICAS, log_dir)))
         targets, gateways = {}, {}
         for name in COST_ROWS:
-            targets[name], gateways[name] = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
+            targets[name], gateways[name], _ = await stack.enter_async_context(routed(name, urls, envoy, log_dir))
         await interleaved(targets, 1, 0, max(5, plan.serial_requests // 10))  # warm every connection
         _, idle = await _cpu_during(gateways, asyncio.sleep(plan.idle_s))
         short, short_cpu = await _cpu_during(gateways, interleaved(targets, 1, 0, plan.serial_requests), idle)
         long, long_cpu = await _cpu_during(
             gateways, interleaved(targets, plan.long_stream_chunks, _PACING_MS, plan.long_requests), idle)
+        # as long open, two chunks: what a long stream costs beyond them is its chunks' cost, not its time open
+        _, held_cpu = await _cpu_during(
+            gateways, interleaved(targets, 2, plan.long_stream_chunks * _PACING_MS / 2, plan.long_requests), idle)
     rows = []
     extra_chunks = plan.long_stream_chunks - 1
     for name in COST_ROWS:
@@ -145,8 +166,8 @@ async def cost_rows(plan: Plan, envoy: Path, log_dir: Path) -> list[dict[str, An
             "row": name, "ttfb_p50_ms": _ms(percentile(ttfb, 50)), "ttfb_p99_ms": _ms(percentile(ttfb, 99)),
             "chunk_us": 1e6 * per_chunk,
             "kvgate_cpu_ms_per_request": 1e3 * cpu_request if gateways[name] else None,
-            "kvgate_cpu_us_per_chunk": 1e6 * (long_cpu[name] / plan.long_requests - cpu_request) / extra_chunks
-            if gateways[name] else None,
+            "kvgate_cpu_us_per_chunk": 1e6 * (long_cpu[name] - held_cpu[name]) / plan.long_requests
+            / (plan.long_stream_chunks - 2) if gateways[name] else None,
         })
         print(f"  {name}: ttfb p50 {rows[-1]['ttfb_p50_ms']:.2f} ms", file=sys.stderr, flush=True)
     return rows
@@ -188,6 +209,12 @@ async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, co
     return {name: (sorted(ttfb), sorted(total)) for name, (ttfb, total) in times.items()}
 
 
+def _release(version: str) -> str:
+    """Envoy's release from its `--version` line (`<path>  version: <sha>/1.40.0/Clean/RELEASE/BoringSSL`)."""
+    fields = version.rpartition("version:")[2].strip().split("/")
+    return fields[1] if len(fields) > 1 else version.strip()
+
+
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
 
@@ -209,10 +236,14 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {row['row']} | {row['ttfb_p50_ms']:.2f} ms | {row['ttfb_p99_ms']:.2f} ms | "
                      f"{row['chunk_us']:.1f} µs | {cpu_request} | {cpu_chunk} |")
     added = cost[PICKER]["ttfb_p50_ms"] - cost[ENVOY]["ttfb_p50_ms"]
-    hit_gap = 100 * abs(routing[PICKER]["hit_rate"] - routing[PROXY]["hit_rate"])
-    two_gap = 100 * abs(routing[TWO_PICKERS]["hit_rate"] - routing[PICKER]["hit_rate"])
-    lines += ["", f"- hit rate, picker vs proxy: {hit_gap:.1f} pts apart (target: within 1)",
-              f"- hit rate, two pickers vs one: {two_gap:.1f} pts apart (target: within 1)",
+
+    def gap(first: str, second: str) -> str:
+        return f"{100 * abs(routing[first]['hit_rate'] - routing[second]['hit_rate']):.1f} pts apart"
+
+    lines += ["", f"- hit rate, picker vs proxy: {gap(PICKER, PROXY)}, precise "
+                  f"{gap(PICKER + PRECISE, PROXY + PRECISE)} (target: within 1)",
+              f"- hit rate, two pickers vs one: {gap(TWO_PICKERS, PICKER)}, precise "
+              f"{gap(TWO_PICKERS + PRECISE, PICKER + PRECISE)} (target: within 1)",
               f"- added TTFB of the picker path over Envoy alone, p50: {added:.2f} ms (target: < 2 ms)",
               f"- per streamed chunk through the picker path: "
               f"{cost[PICKER]['chunk_us'] - cost[ENVOY]['chunk_us']:+.1f} µs over Envoy alone; kvgate CPU per chunk "
@@ -227,11 +258,14 @@ def render_section(report: dict[str, Any]) -> str:
     return (f"### Endpoint picker behind Envoy\n\nMeasured {report['measured_at']} by `{report['command']}` (Envoy {report['envoy']}; load average {load} on a shared 2-core machine). "
             f"Routing: {report['replicas']} simulated replicas, `{report['policy']}`, {workload['conversations']} "
             f"conversations of {workload['turns']} turns from {workload['tenants']} tenants, {workload['concurrency']} "
-            f"users, {workload['duration']:.0f} s per row, the replicas' caches reset between rows. Cost: "
+            f"users, {workload['duration']:.0f} s per row, the replicas' caches reset between rows; the replicas "
+            f"tokenize with the tiny local model and publish KV events, which the kvgates of the precise rows follow "
+            f"(`--kv-events-endpoint`, `--tokenizer`). Cost: "
             f"{report['serial_requests']} one-chunk and {report['long_requests']} {report['long_stream_chunks']}-chunk "
             f"streams per path to instant stub replicas, one at a time, the three paths in turn; per streamed chunk "
             f"is the time beyond the stub's {report['pacing_ms']:g} ms pacing; kvgate's CPU is net of its idle "
-            f"rate.\n\n" + render_markdown(report))
+            f"rate, and its CPU per chunk is what a long stream cost beyond a two-chunk stream open as long, per "
+            f"extra chunk.\n\n" + render_markdown(report))
 
 
 async def run_picker(plan: Plan, speed: float, envoy: Path, out: Path, command: str) -> dict[str, Any]:
@@ -244,7 +278,7 @@ async def run_picker(plan: Plan, speed: float, envoy: Path, out: Path, command: 
     cost = await cost_rows(plan, envoy, log_dir)
     version = subprocess.run([str(envoy), "--version"], capture_output=True, text=True, timeout=30).stdout
     return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
-            "envoy": version.split("/")[1] if version.count("/") > 1 else version.strip(),
+            "envoy": _release(version),
             "workload": dataclasses.asdict(plan.workload), "replicas": REPLICAS, "policy": POLICY, "speed": speed,
             "serial_requests": plan.serial_requests, "long_stream_chunks": plan.long_stream_chunks,
             "long_requests": plan.long_requests, "pacing_ms": _PACING_MS, "load_average": os.getloadavg(),

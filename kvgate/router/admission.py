@@ -105,9 +105,11 @@ class AdmissionQueue:
         preemptible = self.preemptible(info, preemptions)
         if not preemptions:
             self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
-        if not self._waiting(model, rank) and self._has_room(info, rank, preemptible):
-            self._metrics.admitted.labels(info.priority_class, "direct").inc()
-            return self._standing(model, rank, preemptible)
+        if not self._waiting(model, rank):
+            standing = self._standing(model, rank, preemptible)
+            if self._has_room(info, standing):
+                self._metrics.admitted.labels(info.priority_class, "direct").inc()
+                return standing
         waiter = _Waiter(info, rank, self._clock(), asyncio.get_running_loop().create_future(), preemptible)
         self._enqueue(model, waiter, requeued=preemptions > 0)
         self._preempt_for(model)
@@ -154,11 +156,10 @@ class AdmissionQueue:
         queues = self._queues.get(model, ())
         return any(queues if rank is None else queues[:rank + 1])
 
-    def _has_room(self, info: RequestInfo, rank: int, preemptible: bool) -> bool:
-        """Whether the fleet takes one more request like `info` of class `rank`, besides those released and not
-        yet sent."""
-        model = info.model
-        return self._room(info, self._standing(model, rank, preemptible)) - self._pending[model] >= 1
+    def _has_room(self, info: RequestInfo, standing: ClassStanding) -> bool:
+        """Whether the fleet takes one more request like `info`, of a class so standing, besides those released and
+        not yet sent."""
+        return self._room(info, standing) - self._pending[info.model] >= 1
 
     def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
         """Where class `rank` of `model` stands against the other classes now."""
@@ -280,7 +281,7 @@ class AdmissionQueue:
         ranks = [rank for rank, queue in enumerate(queues) if queue]
         top = ranks[0]
         head = queues[top].peek()
-        if not self._has_room(head.info, top, head.preemptible):
+        if not self._has_room(head.info, self._standing(model, top, head.preemptible)):
             return None
         if len(ranks) == 1 or self._config.min_share <= 0:
             self._since_low[model] = 0

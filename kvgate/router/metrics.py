@@ -46,6 +46,9 @@ class GatewayMetrics:
                                 ["status", "param"], registry=r)
         self.auth_failures = Counter("kvgate_auth_failures", "Requests refused with 401, by reason (missing, invalid)",
                                      ["reason"], registry=r)
+        self.picker_messages = Counter("kvgate_picker_messages", "ext_proc messages the endpoint picker received, by "
+                                       "kind (request_headers, request_body, response_headers, ...)", ["kind"],
+                                       registry=r)
 
         self.queue_depth = Gauge("kvgate_admission_queue_depth", "Requests waiting in the gateway, by class",
                                  ["priority_class"], registry=r)

@@ -79,6 +79,7 @@ class PickerStream:
     async def answer(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         """The responses to one message from Envoy, in order (none while a duplex body is still arriving)."""
         kind = message.WhichOneof("request")
+        self._gateway.metrics.picker_messages.labels(kind).inc()
         if kind == "request_headers":
             return await self._request_headers(message)
         if self._request is None:

@@ -34,7 +34,14 @@ from kvgate.loadtest.routing.report import (
     RowRun,
     ScenarioRun,
 )
-from kvgate.loadtest.routing.workload import Footprint, fleet_options, oracle_options, pressure_oracle_options
+from kvgate.loadtest.routing.workload import (
+    CHARS_PER_TOKEN,
+    REAL_TOKENIZER_CHARS_PER_TOKEN,
+    Footprint,
+    fleet_options,
+    oracle_options,
+    pressure_oracle_options,
+)
 from kvgate.simulator import SimOptions
 
 log = logging.getLogger(__name__)
@@ -74,8 +81,8 @@ class BenchSettings:
         return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir)) if self.tokenizer_dir else options
 
     def _footprint(self, load: Load) -> Footprint:
-        # the simulator's own 4 characters per token, or a conservative 3 for a real (byte-level BPE) tokenizer
-        return load.footprint(self.sim.block_size, 3.0 if self.tokenizer_dir else 4.0)
+        return load.footprint(self.sim.block_size,
+                              REAL_TOKENIZER_CHARS_PER_TOKEN if self.tokenizer_dir else CHARS_PER_TOKEN)
 
 
 def plan_rows(settings: BenchSettings) -> list[RowPlan]:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvgate.loadtest.cli import add_knobs, external_router, with_knobs
 from kvgate.loadtest.kit.report import BadOption, publish, utc_now
+from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.routing.client import ChatLoad, Load
 from kvgate.loadtest.routing.plots import plot_replica_load, plot_ttft_cdf
 from kvgate.loadtest.routing.report import (
@@ -74,10 +75,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The routing scenario's flags."""
     add_router_arguments(parser)
     parser.add_argument("--skew", choices=(*SKEWS, "both"), default="both", help="tenant popularity")
+    add_precise_argument(parser)
+    add_workload_arguments(parser, DEFAULT_WORKLOAD)
+
+
+def add_precise_argument(parser: argparse.ArgumentParser) -> None:
+    """--precise: rows routed on the replicas' KV events."""
     parser.add_argument("--precise", action="store_true",
                         help="the replicas publish KV events (simulated ones tokenize with a tiny local model): adds a "
                              "pressure oracle and cache-aware rows routed on the events")
-    add_workload_arguments(parser, DEFAULT_WORKLOAD)
+
+
+def precise_tokenizer(options: argparse.Namespace) -> Path | None:
+    """With --precise, the tiny model directory the simulated replicas and kvgate tokenize with (written now)."""
+    return write_tiny_model(options.out / "tiny-model") if options.precise else None
 
 
 def chat_loads(options: argparse.Namespace) -> tuple[ChatLoad, ...]:
@@ -88,12 +99,8 @@ def chat_loads(options: argparse.Namespace) -> tuple[ChatLoad, ...]:
 
 def run(options: argparse.Namespace) -> int:
     """Measure every row on uniform and/or Zipf-skewed tenants."""
-    tokenizer_dir = options.out / "tiny-model" if options.precise else None
-    if tokenizer_dir is not None:
-        from kvgate.loadtest.kit.tiny_model import write_tiny_model
-
-        write_tiny_model(tokenizer_dir)
-    return run_loads(options, chat_loads(options), "Routing benchmark", "routing", tokenizer_dir=tokenizer_dir)
+    return run_loads(options, chat_loads(options), "Routing benchmark", "routing",
+                     tokenizer_dir=precise_tokenizer(options))
 
 
 def settings_from(options: argparse.Namespace, loads: Sequence[Load], vllm_python: str | None = None,

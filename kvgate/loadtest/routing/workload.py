@@ -25,6 +25,7 @@ _TEMPLATE_CHARS_PER_MESSAGE = 60
 _MEAN_REPLY_CHARS_PER_TOKEN = 6.5
 _MAX_REPLY_CHARS_PER_TOKEN = 10
 CHARS_PER_TOKEN = 4  # the simulator's own tokenization
+REAL_TOKENIZER_CHARS_PER_TOKEN = 3.0  # a conservative figure for a real (byte-level BPE) tokenizer
 
 
 def _words(rng: random.Random, chars: int) -> str:
