@@ -137,3 +137,39 @@ async def test_bodies_the_template_cannot_render_are_forwarded_and_answered_by_t
             assert response.status in (200, 400), answer
             assert response.status == 200 or answer["error"]["type"] == "BadRequestError"
         await complete(session, gateway.url, " still serving")
+
+
+async def test_a_new_conversation_goes_where_the_events_show_its_system_prompt_not_to_its_home(fleet,
+                                                                                               tiny_model_dir):
+    system = "You are the contracts assistant of tenant seven. Quote the clause you rely on. " * 25
+
+    async def chat(session: aiohttp.ClientSession, base_url: str, question: str) -> None:
+        body = {"model": MODEL, "max_tokens": 2,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+        async with session.post(base_url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+
+    async def served_at(session: aiohttp.ClientSession, base_url: str, question: str) -> int:
+        before = await served_counts(session, fleet)
+        await chat(session, base_url, question)
+        after = await served_counts(session, fleet)
+        [served] = [n for n, (a, b) in enumerate(zip(before, after)) if b > a]
+        return served
+
+    # Two characters a token: the gateway's estimate of the system prompt's length passes what the replica holds
+    # (the tiny tokenizer makes about three), as with a model whose tokens are longer than the configured estimate,
+    # so the request is placed (no replica holds more than its system prompt), not continued where it is held.
+    async with running_gateway(**event_settings(fleet, tiny_model_dir), kv_events_hold=0.05,
+                               routing={"chars_per_token": 2.0}) as precise, \
+            running_gateway(endpoints=",".join(fleet.urls)) as approximate, aiohttp.ClientSession() as session:
+        await precise_everywhere(precise, fleet)
+        home = await served_at(session, precise.url, "first conversation")  # nobody holds it: its rendezvous home
+        for url in fleet.urls:
+            await session.post(url + "/sim/reset")
+        await wait_until(lambda: all(precise.gateway.precise.blocks_held(url) == 0 for url in fleet.urls))
+        holder = (home + 1) % 3
+        await chat(session, fleet.urls[holder], "asked of one replica directly")
+        await wait_until(lambda: precise.gateway.precise.blocks_held(fleet.urls[holder]) > 0)
+        assert await served_at(session, precise.url, "second conversation") == holder
+        # a gateway without the events has no such truth: placement by its own history would split gateways
+        assert await served_at(session, approximate.url, "third conversation") == home

@@ -15,7 +15,9 @@ feed the same decision.
    policies/balance.py: noise does not trip it, skewed popularity does), that is no hot spot, with a free
    seat when one exists; its prefill counts the
    same everywhere (which replicas hold the anchor is one gateway's history, and gateways must agree), so
-   the cost is the queue, and equal costs go in the rendezvous order of its placement key. The key is the chained hash at the end of the anchor (every
+   the cost is the queue, and equal costs go in the rendezvous order of its placement key. Where every
+   candidate's KV events flow, which replicas hold the anchor is every gateway's truth: its prefill then counts
+   where it is not held, so a hot tenant's new conversation goes to a replica that holds its system prompt. The key is the chained hash at the end of the anchor (every
    gateway sends a tenant's new conversations to one home, whatever it has seen) or, without one,
    `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
    spread by what follows it). A busy home thus spills to the next replica in the prefix's own rendezvous
@@ -57,18 +59,20 @@ class CacheAwarePolicy:
         self.precise = precise
 
     def matched_tokens(self, request: RequestInfo, candidates: tuple[EndpointState, ...],
-                       now: float = 0.0) -> dict[str, int]:
-        """Per candidate, the leading prompt tokens it holds: precise where its KV events flow, believed elsewhere."""
+                       now: float = 0.0) -> tuple[dict[str, int], bool]:
+        """Per candidate, the leading prompt tokens it holds: precise where its KV events flow, believed elsewhere;
+        and whether the events told them all."""
         precise = self.precise.match_tokens(((s.key, s.metrics.block_size) for s in candidates), request.token_ids,
                                             request.model, request.cache_salt, now) \
             if self.precise is not None and request.token_ids else {}
         per_block = tokens_per_block(self._config)
         total = prompt_tokens(request, self._config)
-        return {
+        matched = {
             state.key: precise[state.key] if state.key in precise
             else min(total, round(self.index.match(state.key, request.block_hashes) * per_block))
             for state in candidates
         }
+        return matched, len(precise) == len(candidates)
 
     def pick(self, request: RequestInfo, fleet: FleetSnapshot) -> Decision | None:
         """Choose a replica for `request` among the fleet's candidates for its model."""
@@ -76,7 +80,7 @@ class CacheAwarePolicy:
         if not candidates:
             return None
         self._window = balance_window(len(candidates), self._config.load_bound)
-        matched = self.matched_tokens(request, candidates, fleet.now)
+        matched, all_precise = self.matched_tokens(request, candidates, fleet.now)
         per_block = tokens_per_block(self._config)
         everywhere = min(matched.values())
         shared = max(everywhere, round(request.anchor_blocks * per_block))
@@ -84,6 +88,9 @@ class CacheAwarePolicy:
         key = placement_key(request, depth)
         if any(tokens > shared for tokens in matched.values()):
             cycle, profile = Cycle(request, key, matched), self._continuation
+        elif all_precise:
+            # The engines' events are every gateway's truth: placement weighs which replicas hold the anchor.
+            cycle, profile = Cycle(request, key, matched), self._placement
         else:
             # What a gateway's index says about the anchor is its own history: placement must not depend on it.
             cycle, profile = Cycle(request, key, dict.fromkeys(matched, shared)), self._placement
