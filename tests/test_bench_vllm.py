@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from kvgate.loadtest.routing.vllm_fleet import BLOCK_SIZE, EngineSizing, VllmProbe
+from kvgate.loadtest.kit.counters import VllmProbe
+from kvgate.loadtest.routing.vllm_fleet import BLOCK_SIZE, EngineSizing
 from kvgate.loadtest.routing.workload import WorkloadSpec
 from tests.harness import scripted_replica
 from tests.metrics_shape import REAL_PAGE

@@ -11,6 +11,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvgate.endpoints import kv_events
 from kvgate.endpoints.kv_events import KvEventAddresses, KvEventSubscriber
 from kvgate.endpoints.types import Endpoint
 from kvgate.engine.kv_events import BlockStored, encode_batch, encode_seq
@@ -183,6 +184,27 @@ async def test_with_bind_the_subscriber_takes_events_from_an_engine_that_connect
         engine.close(linger=0)
         await subscriber.close()
 
+
+
+async def test_an_address_another_subscriber_holds_is_logged_and_bound_once_it_is_free(caplog, monkeypatch):
+    monkeypatch.setattr(kv_events, "_RETRY_S", 0.1)
+    url, address = "http://127.0.0.1:1", f"tcp://127.0.0.1:{closed_port()}"
+    first, second = (KvEventSubscriber(PrecisePrefixIndex(), KvEventAddresses(explicit={url: address}),
+                                       KvEventAddresses(), bind=True) for _ in range(2))
+    engine = zmq.asyncio.Context.instance().socket(zmq.PUB)
+    try:
+        first.set_endpoints([Endpoint(key=url, url=url)])
+        engine.connect(address)
+        await wait_until(lambda: first.stats()[url].connected)
+        second.set_endpoints([Endpoint(key=url, url=url)])
+        await wait_until(lambda: "kv events cannot bind" in caplog.text)
+        assert not second.stats()[url].connected
+        await first.close()  # the address is free again: the second binds it and the engine reconnects to it
+        await wait_until(lambda: second.stats()[url].connected, timeout=10)
+    finally:
+        engine.close(linger=0)
+        await first.close()
+        await second.close()
 
 
 async def test_a_sequence_that_starts_again_on_a_live_connection_clears_the_state():

@@ -41,6 +41,7 @@ from kvgate.policies.precise_index import PrecisePrefixIndex
 log = logging.getLogger(__name__)
 
 _RECONNECT_MS = 500
+_RETRY_S = 5.0  # between two attempts to set up a subscription that failed
 # Live batches a SUB socket queues while a replay runs (ZMQ's default of 1,000 would drop some: a new gap).
 _RECEIVE_HIGH_WATER_MARK = 100_000
 _REPLAY_BATCHES_PER_YIELD = 64  # a long replay lets requests be routed between its slices
@@ -116,6 +117,19 @@ class _Subscription:
         self._skip_through = -1  # live batches a replay already applied
 
     async def run(self) -> None:
+        """Subscribe until cancelled; a socket that cannot bind or connect (an address in use, say) is logged and
+        tried again every few seconds, the replica routed approximately meanwhile."""
+        while True:
+            try:
+                await self._subscribe()
+            except zmq.ZMQError as exc:
+                self.stats.connected = False
+                self._reset(precise=False)
+                log.error("kv events cannot %s replica=%s address=%s error=%s; retrying in %.0f s",
+                          "bind" if self._owner.bind else "connect", self._key, self.stats.address, exc, _RETRY_S)
+                await asyncio.sleep(_RETRY_S)
+
+    async def _subscribe(self) -> None:
         context = zmq.asyncio.Context.instance()
         sub = context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
@@ -123,14 +137,14 @@ class _Subscription:
         sub.setsockopt(zmq.RCVHWM, _RECEIVE_HIGH_WATER_MARK)
         sub.setsockopt(zmq.SUBSCRIBE, self._owner.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        if self._owner.bind:
-            sub.bind(self.stats.address)  # the engine connects to us (a vLLM endpoint without `*`)
-        else:
-            sub.connect(self.stats.address)
-        poller = zmq.asyncio.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
         try:
+            if self._owner.bind:
+                sub.bind(self.stats.address)  # the engine connects to us (a vLLM endpoint without `*`)
+            else:
+                sub.connect(self.stats.address)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while True:
                 ready = dict(await poller.poll())
                 if monitor in ready:

@@ -103,6 +103,57 @@ class SimProbe:
     stats = staticmethod(read_stats)
 
 
+# Counter samples on the page -> the stats keys the benchmark reads (the simulator's /sim/stats names).
+_COUNTERS = {
+    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
+    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
+    "vllm:request_success_total": "requests",
+    "vllm:generation_tokens_total": "generation_tokens",
+    "vllm:num_preemptions_total": "preemptions",
+}
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+
+
+def _page_stats(page: str) -> dict[str, float]:
+    """The benchmark's counters and gauges from one /metrics page, summed over label sets."""
+    stats = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
+    names = _COUNTERS | _GAUGES
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name in names:
+                stats[names[sample.name]] += sample.value
+    return stats
+
+
+class VllmProbe:
+    """Reads and resets engines the way the simulator's /sim/stats and /sim/reset do, from vLLM's own endpoints."""
+
+    def __init__(self) -> None:
+        self._baseline: dict[str, dict[str, float]] = {}
+
+    async def _page(self, session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        async with session.get(url + "/metrics") as response:
+            response.raise_for_status()
+            return _page_stats(await response.text())
+
+    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+        """Empty every engine's prefix cache and count from here (vLLM's counters never go back to zero)."""
+        for url in urls:
+            async with session.post(url + "/reset_prefix_cache") as response:
+                response.raise_for_status()
+            self._baseline[url] = await self._page(session, url)
+
+    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
+        """Counters since the last reset, and the queues now, per engine in the order of `urls`."""
+        pages = await asyncio.gather(*(self._page(session, url) for url in urls))
+        result = []
+        for url, page in zip(urls, pages, strict=True):
+            baseline = self._baseline.get(url, {})
+            counters = {key: page[key] - baseline.get(key, 0.0) for key in _COUNTERS.values()}
+            result.append(counters | {key: page[key] for key in _GAUGES.values()})
+        return result
+
+
 @asynccontextmanager
 async def sampling(interval: float, sample: Callable[[], Awaitable[object]]) -> AsyncIterator[None]:
     """Await `sample()` every `interval` seconds while the block runs; one that fails on I/O is skipped."""

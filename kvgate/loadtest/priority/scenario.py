@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.loadtest.kit.counters import ReplicaProbe, SimProbe, metric_samples, sampling
+from kvgate.loadtest.kit.counters import ReplicaProbe, SimProbe, VllmProbe, metric_samples, sampling
 from kvgate.loadtest.kit.processes import free_ports, running, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, running_engines, vllm_python
@@ -31,7 +31,6 @@ from kvgate.loadtest.priority.client import (
     run_open_loop,
 )
 from kvgate.loadtest.priority.report import QueueSamples, RunResult, render_markdown, summarise, verdict
-from kvgate.loadtest.routing.vllm_fleet import VllmProbe
 from kvgate.simulator import SimOptions
 
 # Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.

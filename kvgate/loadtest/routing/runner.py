@@ -16,6 +16,7 @@ from kvgate.loadtest.kit.counters import (
     ReplicaProbe,
     RunningFleet,
     SimProbe,
+    VllmProbe,
     read_decisions,
     sampling,
     sampling_load,
@@ -149,7 +150,7 @@ async def _run_row(settings: BenchSettings, load: Load, plan: RowPlan, fleet: Ru
 async def _replicas(settings: BenchSettings, load: Load, log_dir: Path) -> AsyncIterator[tuple[RunningFleet, ReplicaProbe]]:
     """The replicas of a load and how to read them: simulated replicas, or real engines."""
     if settings.vllm_python is not None:
-        from kvgate.loadtest.routing.vllm_fleet import VllmProbe, vllm_fleet
+        from kvgate.loadtest.routing.vllm_fleet import vllm_fleet
 
         assert isinstance(load, ChatLoad), "real engines are sized for the chat loads"
         async with vllm_fleet(load.spec, settings.replicas, settings.cache_fraction, settings.vllm_python,

@@ -3,16 +3,11 @@ tokens, probed through their own counters (`vllm:prefix_cache_hits_total` / `que
 
 from __future__ import annotations
 
-import asyncio
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.loadtest.kit.counters import RunningFleet
 from kvgate.loadtest.kit.processes import free_ports
@@ -22,57 +17,6 @@ from kvgate.loadtest.routing.workload import Footprint, WorkloadSpec, system_pro
 
 BLOCK_SIZE = 128  # vLLM's block size on CPU
 KV_BYTES_PER_TOKEN = 1024  # the tiny model: 2 layers x (K, V) x 4 heads x 32 dims x 2 bytes
-
-# Counter samples on the page -> the stats keys the benchmark reads (the simulator's /sim/stats names).
-_COUNTERS = {
-    "vllm:prefix_cache_queries_total": "prefix_cache_queries",
-    "vllm:prefix_cache_hits_total": "prefix_cache_hits",
-    "vllm:request_success_total": "requests",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:num_preemptions_total": "preemptions",
-}
-_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
-
-
-def _page_stats(page: str) -> dict[str, float]:
-    """The benchmark's counters and gauges from one /metrics page, summed over label sets."""
-    stats = dict.fromkeys([*_COUNTERS.values(), *_GAUGES.values()], 0.0)
-    names = _COUNTERS | _GAUGES
-    for family in text_string_to_metric_families(page):
-        for sample in family.samples:
-            if sample.name in names:
-                stats[names[sample.name]] += sample.value
-    return stats
-
-
-class VllmProbe:
-    """Reads and resets engines the way the simulator's /sim/stats and /sim/reset do, from vLLM's own endpoints."""
-
-    def __init__(self) -> None:
-        self._baseline: dict[str, dict[str, float]] = {}
-
-    async def _page(self, session: aiohttp.ClientSession, url: str) -> dict[str, float]:
-        async with session.get(url + "/metrics") as response:
-            response.raise_for_status()
-            return _page_stats(await response.text())
-
-    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
-        """Empty every engine's prefix cache and count from here (vLLM's counters never go back to zero)."""
-        for url in urls:
-            async with session.post(url + "/reset_prefix_cache") as response:
-                response.raise_for_status()
-            self._baseline[url] = await self._page(session, url)
-
-    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
-        """Counters since the last reset, and the queues now, per engine in the order of `urls`."""
-        pages = await asyncio.gather(*(self._page(session, url) for url in urls))
-        result = []
-        for url, page in zip(urls, pages, strict=True):
-            baseline = self._baseline.get(url, {})
-            counters = {key: page[key] - baseline.get(key, 0.0) for key in _COUNTERS.values()}
-            result.append(counters | {key: page[key] for key in _GAUGES.values()})
-        return result
-
 
 def measured_chars_per_token(model_dir: Path, spec: WorkloadSpec) -> float:
     """Characters per token of the workload's own text under the model's tokenizer."""
