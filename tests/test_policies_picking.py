@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter, deque
@@ -360,6 +361,7 @@ def test_cost_is_uncached_prefill_plus_queueing_in_seconds() -> None:
     cost = RequestCost(config)
     req = request(prompt("a", blocks=10))  # 640 characters: 160 tokens
     assert prompt_tokens(req, config) == 160
+    assert prompt_tokens(dataclasses.replace(req, token_ids=tuple(range(37))), config) == 37  # tokenized: counted
     assert cost.seconds(req, {"a": 100}, state("a")) == pytest.approx(0.060)
     assert cost.seconds(req, {}, state("b", in_flight=5)) == pytest.approx(0.160)  # running, seats free: no wait
     # A fresh scrape showing a queue: every seat is taken, so it waits behind the queue and one more.

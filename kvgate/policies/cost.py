@@ -29,7 +29,10 @@ def tokens_per_block(config: RoutingConfig) -> float:
 
 
 def prompt_tokens(request: RequestInfo, config: RoutingConfig) -> int:
-    """The request's prompt length in tokens, estimated from its serialized size."""
+    """The request's prompt length in tokens: counted where it was tokenized as its engine does (precise routing),
+    else estimated from its serialized size."""
+    if request.token_ids:
+        return len(request.token_ids)
     return max(1, round(request.prompt_chars / config.chars_per_token))
 
 
