@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
-from kvgate.loadtest.kit.counters import read_stats, reset_stats, wait_kv_events
+from kvgate.loadtest.kit.counters import SimProbe, read_stats, reset_for_row
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
 from kvgate.loadtest.kit.processes import (
     HOST,
@@ -121,11 +121,7 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
                 precise = name.endswith(PRECISE)
                 flags = precise_args(urls, options, tokenizer_dir) if precise else []
                 async with routed(name, urls, envoy, log_dir, flags) as (target, _, gateway_urls):
-                    if precise:
-                        await wait_kv_events(session, gateway_urls, precise=False)  # so the reset is seen
-                    await reset_stats(session, urls)
-                    if precise:
-                        await wait_kv_events(session, gateway_urls, precise=True)
+                    await reset_for_row(session, SimProbe(), urls, gateway_urls, precise)
                     row = RowRun(RowPlan(name, KVGATE if name.startswith(PROXY) else EXTERNAL))
                     start = time.monotonic()
                     row.samples = await ConversationDriver(spec, [target]).run(conversations)

@@ -13,12 +13,12 @@ feed the same decision.
 2. Placement: a request no replica holds more of than that goes to the cheapest replica whose share of
    recent requests is under the bounded-load cap (CHWBL on shares over a few hundred requests,
    policies/balance.py: noise does not trip it, skewed popularity does), that is no hot spot, with a free
-   seat when one exists; its prefill counts the
-   same everywhere (which replicas hold the anchor is one gateway's history, and gateways must agree), so
-   the cost is the queue, and equal costs go in the rendezvous order of its placement key. Where every
-   candidate's KV events flow, which replicas hold the anchor is every gateway's truth: its prefill then counts
-   where it is not held, so a hot tenant's new conversation goes to a replica that holds its system prompt. The key is the chained hash at the end of the anchor (every
-   gateway sends a tenant's new conversations to one home, whatever it has seen) or, without one,
+   seat when one exists; its prefill counts the same everywhere (which replicas hold the anchor is one
+   gateway's history, and gateways must agree), so the cost is the queue, and equal costs go in the rendezvous
+   order of its placement key. Where every candidate's KV events flow, which replicas hold the anchor is every
+   gateway's truth: its prefill then counts where it is not held, so a hot tenant's new conversation goes to a
+   replica that holds its system prompt. The key is the chained hash at the end of the anchor (every gateway
+   sends a tenant's new conversations to one home, whatever it has seen) or, without one,
    `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
    spread by what follows it). A busy home thus spills to the next replica in the prefix's own rendezvous
    order, which then holds it too: overflow concentrates on a few replicas instead of spraying the fleet.

@@ -103,6 +103,17 @@ class SimProbe:
     stats = staticmethod(read_stats)
 
 
+async def reset_for_row(session: aiohttp.ClientSession, probe: ReplicaProbe, replica_urls: Sequence[str],
+                        gateway_urls: Sequence[str], precise: bool) -> None:
+    """Reset the replicas before a row; with `precise`, only once every gateway follows their KV events (so it sees
+    the reset's AllBlocksCleared), and return once every gateway routes every replica on them again."""
+    if precise:
+        await wait_kv_events(session, gateway_urls, precise=False)
+    await probe.reset(session, replica_urls)
+    if precise:
+        await wait_kv_events(session, gateway_urls, precise=True)
+
+
 # Counter samples on the page -> the stats keys the benchmark reads (the simulator's /sim/stats names).
 _COUNTERS = {
     "vllm:prefix_cache_queries_total": "prefix_cache_queries",

@@ -18,9 +18,9 @@ from kvgate.loadtest.kit.counters import (
     SimProbe,
     VllmProbe,
     read_decisions,
+    reset_for_row,
     sampling,
     sampling_load,
-    wait_kv_events,
 )
 from kvgate.loadtest.kit.processes import ProcessError, running, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.stream import RequestSample
@@ -131,11 +131,7 @@ async def _run_row(settings: BenchSettings, load: Load, plan: RowPlan, fleet: Ru
     log_dir, work_dir = settings.out_dir / "logs", settings.out_dir / "runs" / label.replace(" ", "").replace("#", "-")
     try:
         async with _routers(plan, fleet, log_dir, load) as gateways:
-            if plan.precise:
-                await wait_kv_events(session, gateways, precise=False)  # so the reset is seen
-            await probe.reset(session, sim_urls)
-            if plan.precise:
-                await wait_kv_events(session, gateways, precise=True)
+            await reset_for_row(session, probe, sim_urls, gateways, plan.precise)
             async with _front(load, gateways, log_dir, label) as targets:
                 await _measure(row, session, sim_urls, targets or sim_urls, load, work_dir, probe, label, progress)
             if plan.kind == KVGATE:
