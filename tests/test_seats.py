@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import statistics
 
 import aiohttp
 import pytest
@@ -204,12 +205,15 @@ async def test_gateway_learns_the_seats_and_keeps_some_free_for_interactive() ->
             held = lambda: sum(fleet.replicas[0].stats()[k] for k in ("running", "waiting"))  # noqa: E731
             await wait_until(lambda: occupied(replica()) <= 3 and held() <= 3
                              and gw.gateway.admission.describe()["waiting"] > 0, timeout=30)
-            interactive = await asyncio.wait_for(send("interactive"), 10)
+            # One after another, each while batch waits: kvgate's estimate can trail the replica by a request
+            # for a scrape (a stream's end seen after the page that no longer counts it), so judge the median.
+            interactive = [await asyncio.wait_for(send("interactive"), 10) for _ in range(3)]
             await asyncio.wait_for(asyncio.gather(*batch), 90)
     finally:
         await fleet.stop()
     batch_request_s = TOKENS * (options.decode_step_seconds + 4 * options.decode_seconds_per_seq) / options.speed
-    assert interactive < batch_request_s / 3  # it took the free seat instead of waiting for a batch request
+    # It took the free seat (tens of ms) instead of waiting for a batch request to end (0 to 1.6 s).
+    assert statistics.median(interactive) < batch_request_s / 8, interactive
 
 
 def test_a_learned_seat_count_lets_one_request_past_it_and_a_configured_one_does_not() -> None:
