@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import openai
@@ -208,6 +209,25 @@ async def test_openai_sdk_streams_a_chat_completion_through_the_gateway(sim) -> 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert text.strip()
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 8
+
+
+async def test_each_request_logs_where_it_went_and_why(sim, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.router.pipeline")
+    system = "You are a careful assistant for the billing team. " * 20
+    messages = [{"role": "system", "content": system}]
+    async with running_gateway(endpoints=sim.urls) as gw, aiohttp.ClientSession() as client:
+        for question in ("first question", "second question"):  # one conversation, two turns
+            messages.append({"role": "user", "content": question})
+            async with client.post(gw.url + "/v1/chat/completions",
+                                   json={"model": MODEL, "messages": messages, "max_tokens": 4}) as resp:
+                assert resp.status == 200, await resp.text()
+                messages.append((await resp.json())["choices"][0]["message"])
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request id=")]
+    assert len(lines) == 2
+    assert "reason=cold matched=0.00 status=200" in lines[0]
+    # the second turn goes where the first left the conversation, which holds most of its prompt
+    replica = lines[0].split("replica=")[1].split()[0]
+    assert f"replica={replica} reason=prefix_hit matched=0.9" in lines[1]
 
 
 async def test_readiness_and_metrics_report_the_gateway_state(sim) -> None:

@@ -107,8 +107,9 @@ class PickerStream:
         self._gateway.metrics.requests.labels(path if path in ROUTE_KINDS else "other",
                                               model if self._gateway.serves(model) else "other",
                                               self._status, replica).inc()
-        log.info("picked id=%s model=%s replica=%s status=%s duration_ms=%.1f", self._request.request_id, model,
-                 replica, self._status, (time.monotonic() - self._request.arrived) * 1000)
+        reason = self._decision.reason if self._decision else "-"
+        log.info("picked id=%s model=%s replica=%s reason=%s status=%s duration_ms=%.1f", self._request.request_id,
+                 model, replica, reason, self._status, (time.monotonic() - self._request.arrived) * 1000)
 
     async def _request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         headers = {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value

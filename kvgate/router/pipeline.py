@@ -134,6 +134,7 @@ class RequestPipeline:
         headers = forwardable(http.headers, gateway.forwarder.dropped_headers)
         headers["x-request-id"] = outcome.request_id
         targets = iter((decision.endpoint, *decision.fallbacks))
+        outcome.reason, outcome.matched = decision.reason, decision.matched_fraction
         preemptions = retries = 0
         target = next(targets)
         while True:
@@ -161,6 +162,7 @@ class RequestPipeline:
                 standing = await gateway.admission.admit(request.info, request.rank, preemptions)
                 decision = self.decide(request, standing=standing)
                 targets = iter((decision.endpoint, *decision.fallbacks))
+                outcome.reason, outcome.matched = decision.reason, decision.matched_fraction
                 target = next(targets)
 
     def refuse(self, error: GatewayError, outcome: Outcome) -> web.Response:
@@ -182,8 +184,9 @@ class RequestPipeline:
         metrics.duration.labels(path, model_label).observe(duration)
         if outcome.ttfb is not None:
             metrics.ttfb.labels(path, model_label).observe(outcome.ttfb)
-        log.info("request id=%s path=%s model=%s replica=%s status=%s attempts=%d ttfb_ms=%s duration_ms=%.1f%s",
-                 outcome.request_id, path, model, outcome.replica, outcome.status, outcome.attempts,
+        log.info("request id=%s path=%s model=%s replica=%s reason=%s matched=%.2f status=%s attempts=%d ttfb_ms=%s "
+                 "duration_ms=%.1f%s", outcome.request_id, path, model, outcome.replica, outcome.reason, outcome.matched,
+                 outcome.status, outcome.attempts,
                  "-" if outcome.ttfb is None else f"{outcome.ttfb * 1000:.1f}", duration * 1000,
                  f" error={outcome.error}" if outcome.error else "")
 

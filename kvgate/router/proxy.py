@@ -53,6 +53,8 @@ class Outcome:
     arrived: float = 0.0  # time.monotonic() when the request arrived
     status: int = 0
     replica: str = "-"
+    reason: str = "-"  # the routing decision's reason (prefix_hit, cold, overflow, ...)
+    matched: float = 0.0  # share of the prompt the chosen replica was taken to hold
     ttfb: float | None = None
     error: str | None = None  # kind of upstream failure, if any
     attempts: int = 0
