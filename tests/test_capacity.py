@@ -51,6 +51,19 @@ def test_seats_learned_under_a_full_kv_cache_are_not_seats() -> None:
     assert learner.seats("a") is None
 
 
+def test_a_queue_seen_twice_within_one_engine_step_teaches_no_seats() -> None:
+    # vLLM's gauges change once per engine step: two scrapes during one long step (a burst's prefill) read the
+    # same page, whose queue says nothing about seats yet.
+    learner = SeatLearner(kv_full=0.8)
+    page = ReplicaMetrics(running=7, waiting=6, kv_cache_usage=0.05, engine_steps=40)
+    for _ in range(3):
+        assert learner.observe("a", page) is None
+    assert learner.observe("a", ReplicaMetrics(running=7, waiting=4, kv_cache_usage=0.05, engine_steps=41)) == 7
+    # an engine that exports no step count is judged on the two scrapes alone
+    assert learner.observe("b", ReplicaMetrics(running=5, waiting=1)) is None
+    assert learner.observe("b", ReplicaMetrics(running=5, waiting=1)) == 5
+
+
 def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_then_the_youngest() -> None:
     over = replica("a", seats=2, running=2, waiting=1)  # one beyond its seats: freeing a seat takes two
     full = replica("b", seats=2, running=2)

@@ -18,6 +18,7 @@ from kvgate.endpoints.vllm_metrics import MetricsPageError, parse_vllm_metrics
 from kvgate.loadtest.kit.vllm_metrics_page import LEGACY_KV_USAGE, EngineLoad, LoraSeries, render_vllm_metrics
 from tests.fake_vllm_replica import refused_endpoint
 from tests.harness import FakeClock, wait_until
+from tests.metrics_shape import REAL_PAGE
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -266,3 +267,9 @@ async def test_a_page_slower_than_the_interval_delays_only_its_own_replica_and_s
 def test_rejects_a_non_positive_timeout(session):
     with pytest.raises(ValueError, match="must be positive"):
         MetricsScraper(lambda: session, interval_s=0.2, timeout_s=0)
+
+
+def test_engine_steps_are_read_from_the_iteration_histogram_of_a_real_page() -> None:
+    assert parse_vllm_metrics(REAL_PAGE.read_text(), 1.0).engine_steps == 677  # one engine, 677 steps
+    page = "\n".join(line for line in REAL_PAGE.read_text().splitlines() if "iteration_tokens" not in line)
+    assert parse_vllm_metrics(page, 1.0).engine_steps is None

@@ -372,6 +372,30 @@ async def test_requests_beyond_max_num_seqs_wait(start_fleet, session):
     assert (await stats(session, url))["completed"] == 5
 
 
+async def test_gauges_and_the_step_count_change_once_per_engine_step(start_fleet, session):
+    # As vLLM's: a request that arrives during a step shows on /metrics only after the next step's schedule.
+    fleet = await start_fleet(speed=1.0, prefill_seconds_per_token=0.002)  # ~1 s to prefill the first prompt
+    url = fleet.urls[0]
+    waiting = ("vllm:num_requests_waiting", frozenset({("engine", "0"), ("model_name", MODEL)}))
+    steps = ("vllm:iteration_tokens_total_count", frozenset({("engine", "0"), ("model_name", MODEL)}))
+    first = asyncio.create_task(session.post(f"{url}/v1/completions",
+                                             json={"model": MODEL, "prompt": "word " * 400, "max_tokens": 2}))
+    await wait_for(lambda: _running(session, url))
+    during = await metric_samples(session, url)
+    second = asyncio.create_task(session.post(f"{url}/v1/completions",
+                                              json={"model": MODEL, "prompt": "hello", "max_tokens": 2}))
+    await asyncio.sleep(0.2)  # it has arrived, mid-step
+    later = await metric_samples(session, url)
+    assert later[waiting] == during[waiting] == 0 and later[steps] == during[steps]
+    for response in await asyncio.gather(first, second):
+        assert response.status == 200
+    assert (await metric_samples(session, url))[steps] > during[steps]
+
+
+async def _running(session: aiohttp.ClientSession, url: str) -> bool:
+    return (await stats(session, url))["running"] == 1
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 async def test_client_disconnect_aborts_the_sequence_and_frees_blocks(start_fleet, session, stream):
     fleet = await start_fleet(speed=1.0, decode_step_seconds=0.01)

@@ -36,6 +36,7 @@ class ReplicaMetrics:
     num_gpu_blocks: int | None = None
     running_lora_adapters: frozenset[str] = frozenset()
     waiting_lora_adapters: frozenset[str] = frozenset()
+    engine_steps: int | None = None  # engine steps so far (vllm:iteration_tokens_total's count), None if not exported
     scraped_at: float | None = None  # clock value of the last successful scrape, None if never
     stale: bool = True  # the last scrape failed, was late, or never happened
 

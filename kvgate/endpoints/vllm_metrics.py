@@ -17,7 +17,8 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 LORA_INFO = "vllm:lora_requests_info"
-_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO)
+STEPS = "vllm:iteration_tokens_total_count"  # one observation per engine step
+_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS)
 
 
 class MetricsPageError(ValueError):
@@ -48,6 +49,7 @@ def parse_vllm_metrics(page: str, scraped_at: float) -> ReplicaMetrics:
         num_gpu_blocks=sum(blocks_by_engine.values()) or None,
         running_lora_adapters=_adapters(lora, "running_lora_adapters"),
         waiting_lora_adapters=_adapters(lora, "waiting_lora_adapters"),
+        engine_steps=round(sum(s.value for s in by_name[STEPS])) if by_name[STEPS] else None,
         scraped_at=scraped_at,
         stale=False,
     )

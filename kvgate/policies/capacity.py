@@ -244,9 +244,10 @@ def has_free_seat(state: EndpointState) -> bool:
 class SeatLearner:
     """Learns each replica's seat count, which vLLM does not export, from its running count under a queue.
 
-    A queue seen on two scrapes in a row beside the same running count means every seat was taken (an
-    arrival between two engine steps waits for one step only, and under load such arrivals queue beside a
-    running count that moves), so that count is what the replica holds at once, unless
+    A queue seen on two scrapes in a row beside the same running count, with an engine step between them,
+    means every seat was taken (an arrival between two engine steps waits for one step only, and under load
+    such arrivals queue beside a running count that moves; two scrapes within one long step, a burst's
+    prefill, see the same page and prove nothing), so that count is what the replica holds at once, unless
     the KV cache was full (at `kv_full` or more): then the queue waits for blocks, and the running count
     says how many of these prompts fit, not how many seats there are. Once known it only grows: a replica
     never runs more than it has seats, and headroom() lets one request past a learned count so that a
@@ -256,14 +257,17 @@ class SeatLearner:
     def __init__(self, kv_full: float) -> None:
         self._kv_full = kv_full
         self._seats: dict[str, int] = {}
-        self._queued: dict[str, int] = {}  # replicas whose last scrape showed a queue -> their running count then
+        # replicas whose last scrape showed a queue -> their running count and engine steps then
+        self._queued: dict[str, tuple[int, int | None]] = {}
 
     def observe(self, key: str, metrics: ReplicaMetrics) -> int | None:
         """Take in one successful scrape of `key`; returns its seat count when this scrape changed it."""
         seat_bound = metrics.waiting > 0 and metrics.kv_cache_usage < self._kv_full
-        queued_twice = seat_bound and self._queued.get(key) == metrics.running
+        before = self._queued.get(key)
+        queued_twice = seat_bound and before is not None and before[0] == metrics.running and (
+            before[1] is None or metrics.engine_steps is None or metrics.engine_steps > before[1])
         if seat_bound:
-            self._queued[key] = metrics.running
+            self._queued[key] = (metrics.running, metrics.engine_steps)
         else:
             self._queued.pop(key, None)
         if queued_twice or key in self._seats:

@@ -73,8 +73,7 @@ class AsyncEngine:
         for seq in generation.seqs:
             self.core.add(seq)
             self._owners[seq] = generation
-        self._metrics.publish(self.core)
-        self._wake.set()
+        self._wake.set()  # the gauges show it after the next step, as vLLM's do
         return generation
 
     def abort(self, generation: Generation) -> None:
@@ -160,7 +159,7 @@ class AsyncEngine:
             await asyncio.sleep(max(0.0, step_start + duration - loop.time()))
             now = step_start = loop.time()
             outcome = core.complete_step(now)
-            metrics.observe_step(outcome, now)
+            metrics.observe_step(outcome, now, prefill_tokens)
             for seq in outcome.advanced:
                 self._owners[seq].changed.set()
             for seq in outcome.finished:

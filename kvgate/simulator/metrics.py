@@ -19,6 +19,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 960.0, 1920.0, 7680.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # fmt: on
 
 _ENGINE_LABELS = ("engine", "model_name")  # sorted, as vLLM prints them
@@ -56,7 +57,6 @@ _UNMODELLED: tuple[tuple[type, str, str, str | None, tuple[str, ...]], ...] = (
     (Gauge, "vllm:engine_sleep_state", "Engine sleep state.", "sleep_state", ("awake", "weights_offloaded", "discard_all")),
     (Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None, ()),
     (Histogram, "vllm:request_generation_tokens", "Number of generation tokens processed.", None, ()),
-    (Histogram, "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", None, ()),
     (Histogram, "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested tokens.", None, ()),
     (Histogram, "vllm:request_params_n", "Histogram of the n request parameter.", None, ()),
     (Histogram, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None, ()),
@@ -134,6 +134,12 @@ class EngineMetrics:
             "Histogram of inter-token latency in seconds.",
             buckets=_ITL_BUCKETS,
         )
+        self._iteration_tokens = engine_metric(
+            Histogram,
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            buckets=_ITERATION_BUCKETS,
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -187,8 +193,10 @@ class EngineMetrics:
                 time.time()
             )
 
-    def observe_step(self, outcome: StepOutcome, now: float) -> None:
-        """Record token latencies and completions of one engine step."""
+    def observe_step(self, outcome: StepOutcome, now: float, prefill_tokens: int = 0) -> None:
+        """Record one engine step: the tokens it computed (prefill and one per sequence), token latencies and
+        completions."""
+        self._iteration_tokens.observe(prefill_tokens + len(outcome.advanced))
         for seq in outcome.advanced:
             if seq.last_token_time != now:
                 continue
