@@ -19,7 +19,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 960.0, 1920.0, 7680.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
-_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # fmt: on
 
 _ENGINE_LABELS = ("engine", "model_name")  # sorted, as vLLM prints them
@@ -138,7 +138,7 @@ class EngineMetrics:
             Histogram,
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
-            buckets=_ITERATION_BUCKETS,
+            buckets=ITERATION_BUCKETS,
         )
         success = Counter(
             "vllm:request_success",
@@ -193,7 +193,7 @@ class EngineMetrics:
                 time.time()
             )
 
-    def observe_step(self, outcome: StepOutcome, now: float, prefill_tokens: int = 0) -> None:
+    def observe_step(self, outcome: StepOutcome, now: float, prefill_tokens: int) -> None:
         """Record one engine step: the tokens it computed (prefill and one per sequence), token latencies and
         completions."""
         self._iteration_tokens.observe(prefill_tokens + len(outcome.advanced))

@@ -12,6 +12,8 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from kvgate.simulator.metrics import ITERATION_BUCKETS
+
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 LEGACY_KV_USAGE = "vllm:gpu_cache_usage_perc"
@@ -24,7 +26,6 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
 _TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                           7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _HISTOGRAMS = {  # name -> (buckets, typical observed value)
     "vllm:time_to_first_token_seconds": (_TTFT_BUCKETS, 0.3),
     "vllm:time_per_output_token_seconds": (_TOKEN_LATENCY_BUCKETS, 0.03),
@@ -38,7 +39,7 @@ _HISTOGRAMS = {  # name -> (buckets, typical observed value)
     "vllm:request_generation_tokens": (_TOKEN_COUNT_BUCKETS, 300),
     "vllm:request_params_max_tokens": (_TOKEN_COUNT_BUCKETS, 1024),
     "vllm:request_params_n": ((1, 2, 5, 10, 20), 1),
-    "vllm:iteration_tokens_total": (_ITERATION_BUCKETS, 256),
+    "vllm:iteration_tokens_total": (ITERATION_BUCKETS, 256),
 }
 _HTTP_HANDLERS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
