@@ -4,6 +4,7 @@ and the micro-benchmark scenarios run end to end."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvgate.loadtest.cli import SCENARIOS, main, scenario_parser
-from kvgate.loadtest.kit.processes import ProcessError, start_gateway, start_stub, stopping
+from kvgate.loadtest.kit.processes import ProcessError, ports_to_bind_later, start_gateway, start_stub, stopping
 from kvgate.loadtest.kit.report import write_docs_section
 from tests.bench_run import run_bench
 
@@ -62,6 +63,15 @@ async def test_children_are_stopped_when_their_block_exits_and_a_failed_start_le
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
     with pytest.raises(ProcessError, match="exited before it was ready"):
         await start_gateway("broken", urls, ["--policy", "no-such-policy"], tmp_path)
+
+
+def test_ports_to_bind_later_are_free_distinct_and_never_a_connections_source_port() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = ports_to_bind_later(4)
+    assert len(set(ports)) == 4 and all(port < low for port in ports)
+    for port in ports:
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", port))
 
 
 def test_hashing_and_scrape_parse_write_their_tables(tmp_path: Path) -> None:

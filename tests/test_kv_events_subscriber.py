@@ -162,6 +162,11 @@ def test_addresses_come_from_a_host_template_or_explicit_pairs():
     explicit = KvEventAddresses.parse(["http://a:1=tcp://127.0.0.1:7001", "http://a:2/=tcp://127.0.0.1:7002"], "x")
     assert explicit.address(Endpoint(key="http://a:2", url="http://a:2")) == "tcp://127.0.0.1:7002"
     assert explicit.address(Endpoint(key="http://b:1", url="http://b:1")) is None
+    local = KvEventAddresses.parse(["http://a:1=ipc:///run/vllm/events"], "x")
+    assert local.address(Endpoint(key="http://a:1", url="http://a:1")) == "ipc:///run/vllm/events"
+    for bad in ("ipc://", "tcp://host-without-port", "http://a:1=udp://127.0.0.1:5557"):
+        with pytest.raises(kv_events.KvEventsAddressError, match="tcp://HOST:PORT or ipc://PATH"):
+            KvEventAddresses.parse([bad], "x")
 
 
 async def test_with_bind_the_subscriber_takes_events_from_an_engine_that_connects_to_it():
@@ -207,13 +212,17 @@ async def test_an_address_another_subscriber_holds_is_logged_and_bound_once_it_i
         await second.close()
 
 
-async def test_a_sequence_that_starts_again_on_a_live_connection_clears_the_state():
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+async def test_a_sequence_that_starts_again_on_a_live_connection_clears_the_state(transport, tmp_path):
     url = "http://127.0.0.1:1"
     engine = zmq.asyncio.Context.instance().socket(zmq.PUB)
-    port = engine.bind_to_random_port("tcp://127.0.0.1")
+    if transport == "tcp":
+        address = f"tcp://127.0.0.1:{engine.bind_to_random_port('tcp://127.0.0.1')}"
+    else:
+        address = f"ipc://{tmp_path}/events"  # what vLLM binds for an ipc:// endpoint
+        engine.bind(address)
     index = PrecisePrefixIndex()
-    subscriber = KvEventSubscriber(index, KvEventAddresses(explicit={url: f"tcp://127.0.0.1:{port}"}),
-                                   KvEventAddresses())
+    subscriber = KvEventSubscriber(index, KvEventAddresses(explicit={url: address}), KvEventAddresses())
     subscriber.set_endpoints([Endpoint(key=url, url=url)])
 
     async def publish(seq: int, first_token: int) -> None:

@@ -51,28 +51,34 @@ class KvEventsAddressError(ValueError):
     """A KV events address setting that cannot be read."""
 
 
+def _is_zmq_address(address: str) -> bool:
+    tcp, ipc = address.removeprefix("tcp://"), address.removeprefix("ipc://")
+    return (tcp != address and ":" in tcp) or (ipc != address and bool(ipc))
+
+
 @dataclass(frozen=True, slots=True)
 class KvEventAddresses:
-    """Where each replica publishes: a `{host}` template, or explicit replica URL -> tcp:// address pairs."""
+    """Where each replica publishes: a `{host}` template, or explicit replica URL -> ZMQ address pairs."""
 
     template: str | None = None
     explicit: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, values: Sequence[str], setting: str) -> KvEventAddresses:
-        """One template (`tcp://{host}:5557`) or `REPLICA_URL=tcp://ADDR:PORT` items; raises KvEventsAddressError."""
+        """One template (`tcp://{host}:5557`) or `REPLICA_URL=ADDRESS` items (`tcp://ADDR:PORT`, or `ipc://PATH` for an
+        engine on the same host); raises KvEventsAddressError."""
         template = None
         explicit: dict[str, str] = {}
         for value in values:
             replica, sep, address = value.rpartition("=")
             if not sep:
                 address = value
-            if not address.startswith("tcp://") or ":" not in address[len("tcp://"):]:
-                raise KvEventsAddressError(f"{setting}: {value!r} is not tcp://HOST:PORT")
+            if not _is_zmq_address(address):
+                raise KvEventsAddressError(f"{setting}: {value!r} is not tcp://HOST:PORT or ipc://PATH")
             if sep:
                 explicit[replica.strip().rstrip("/")] = address
             elif template is not None:
-                raise KvEventsAddressError(f"{setting}: give one template, or REPLICA_URL=tcp://ADDR:PORT pairs")
+                raise KvEventsAddressError(f"{setting}: give one template, or REPLICA_URL=ADDRESS pairs")
             else:
                 template = address
         return cls(template, explicit)

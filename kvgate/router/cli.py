@@ -43,7 +43,7 @@ _HELP = {
     "body_timeout": "longest silence in seconds while a request body arrives (then 408)",
     "keepalive_timeout": "seconds an idle client connection is kept open",
     "kv_events_endpoint": "replicas' KV events publishers: tcp://{host}:5557 ({host} = the replica's address) "
-                          "or, repeated, REPLICA_URL=tcp://ADDR:PORT; turns on precise routing",
+                          "or, repeated, REPLICA_URL=tcp://ADDR:PORT (or ipc://PATH); turns on precise routing",
     "kv_events_replay_endpoint": "replicas' KV events replay sockets, in the same forms (fills sequence gaps)",
     "kv_events_topic": "topic of the KV events messages",
     "kv_events_bind": "bind the explicit KV events addresses and let the engines connect (a vLLM --kv-events-config "

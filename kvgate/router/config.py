@@ -59,7 +59,7 @@ class GatewayConfig:
     header_timeout: float = 30.0  # seconds a client has to send a request head, from connecting or its first byte
     body_timeout: float = 30.0  # longest silence while a request body arrives; then 408
     keepalive_timeout: float = 3630.0  # idle client connections close; above Envoy's 1 h upstream idle timeout
-    kv_events_endpoint: tuple[str, ...] = ()  # tcp://{host}:5557, or REPLICA_URL=tcp://ADDR:PORT pairs; off when empty
+    kv_events_endpoint: tuple[str, ...] = ()  # tcp://{host}:5557, or REPLICA_URL=ADDRESS pairs; off when empty
     kv_events_replay_endpoint: tuple[str, ...] = ()  # the same forms, for the engines' replay sockets
     kv_events_topic: str = "kv-events"
     kv_events_bind: bool = False  # kvgate binds the (explicit) addresses and the engines connect to them
@@ -287,7 +287,7 @@ def _validate_kv_events(config: GatewayConfig) -> None:
         if not sep or not model or not directory:
             raise ConfigError(f"tokenizer: expected MODEL=DIR, got {item!r}")
     if config.kv_events_bind and any("=" not in item for item in config.kv_events_endpoint):
-        raise ConfigError("kv_events_bind: needs explicit REPLICA_URL=tcp://ADDR:PORT pairs, not a template")
+        raise ConfigError("kv_events_bind: needs explicit REPLICA_URL=ADDRESS pairs, not a template")
     if config.kv_events_endpoint and not config.tokenizer:
         raise ConfigError("kv_events_endpoint: precise routing needs --tokenizer MODEL=DIR for the served model(s)")
     for name in ("kv_events_replay_timeout", "kv_events_max_blocks", "tokenize_offload_bytes"):

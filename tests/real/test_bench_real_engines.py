@@ -13,7 +13,8 @@ import pytest
 
 from tests.bench_run import run_bench
 
-ROWS = ["oracle", "pressure oracle", "round-robin", "cache-aware", "cache-aware precise"]
+ROWS = ["oracle", "pressure oracle", "round-robin", "cache-aware", "cache-aware x2", "cache-aware precise",
+        "cache-aware precise x2"]
 
 
 @pytest.mark.timeout(600)
@@ -21,7 +22,7 @@ def test_every_real_engine_row_runs_and_precise_routing_finds_the_prefixes() -> 
     # A short folder: the engines' IPC socket paths under it must fit in 107 characters.
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-") as out:
         done = run_bench("real-engines", "--quick", "--precise", "--replicas", "2", "--skew", "zipf", "--policies",
-                         "cache-aware", "--gateways", "1", "--out", out, timeout=420)
+                         "cache-aware", "--gateways", "2", "--out", out, timeout=420)
         assert done.returncode == 0, done.stderr[-3000:]
         (scenario,) = json.loads((Path(out) / "routing-real-engines.json").read_text())["scenarios"]
     rows = {row["name"]: row for row in scenario["rows"]}
@@ -29,9 +30,10 @@ def test_every_real_engine_row_runs_and_precise_routing_finds_the_prefixes() -> 
     for row in rows.values():
         assert row["failure"] is None and row["errors"] == 0 and row["requests"] == 72, row
         assert 0.0 < row["hit_rate"] <= 1.0  # vLLM's own counters, read through /metrics
-    precise = rows["cache-aware precise"]
-    assert precise["decisions"].get("prefix_hit", 0) > precise["decisions"].get("cold", 0)  # routed on the events
-    assert precise["hit_rate"] > rows["round-robin"]["hit_rate"]
+    for name in ("cache-aware precise", "cache-aware precise x2"):  # two gateways read the same engines' events
+        precise = rows[name]
+        assert precise["decisions"].get("prefix_hit", 0) > precise["decisions"].get("cold", 0), precise  # on events
+        assert precise["hit_rate"] > rows["round-robin"]["hit_rate"], precise
 
 
 @pytest.mark.timeout(600)

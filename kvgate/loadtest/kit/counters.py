@@ -45,11 +45,14 @@ async def wait_kv_events(session: aiohttp.ClientSession, urls: Sequence[str], pr
         while True:
             async with session.get(url + "/debug/fleet") as response:
                 endpoints = (await response.json())["endpoints"]
-            if all(e["kv_events"] and e["kv_events"]["connected"] and (not precise or e["routing"] == "precise")
-                   for e in endpoints):
+            waiting = [e for e in endpoints if not (e["kv_events"] and e["kv_events"]["connected"]
+                                                    and (not precise or e["routing"] == "precise"))]
+            if not waiting:
                 break
             if loop.time() > deadline:
-                raise TimeoutError(f"{url}: KV events not {'precise' if precise else 'connected'} in {timeout:.0f}s")
+                raise TimeoutError(f"{url}: KV events not {'precise' if precise else 'connected'} in {timeout:.0f}s: "
+                                   + "; ".join(f"{e['url']} routing={e['routing']} events={e['kv_events']}"
+                                               for e in waiting))
             await asyncio.sleep(0.05)
 
 

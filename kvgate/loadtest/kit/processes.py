@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
@@ -46,6 +47,27 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def ports_to_bind_later(count: int) -> list[int]:
+    """Ports free on loopback now and below the kernel's ephemeral range, for an address one process binds while
+    others connect to it first: an ephemeral port may meanwhile become a connection's source port (even the
+    connecting socket's own, which then connects to itself), and the bind fails."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    ports: list[int] = []
+    for port in random.sample(range(max(1024, low // 2), low), min(64 * count, low - max(1024, low // 2))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((HOST, port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise OSError(f"no {count} free ports below {low}")
 
 
 def base_url(port: int) -> str:

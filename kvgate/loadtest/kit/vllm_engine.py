@@ -39,8 +39,9 @@ class EngineSpec:
     max_num_seqs: int = 8
     max_model_len: int = 4096
     priority_scheduling: bool = False
-    kv_events_port: int | None = None  # ZMQ PUB port; None: no KV events
-    kv_events_replay_port: int | None = None
+    # Where KV events are published (vLLM binds ipc:// and tcp://*: addresses, connects out to others); None: none.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None  # always bound by the engine
     shutdown_timeout: int = 10  # seconds in-flight requests get after SIGTERM
     extra_args: tuple[str, ...] = ()
 
@@ -55,11 +56,11 @@ class EngineSpec:
                 "--disable-uvicorn-access-log"]  # fmt: skip
         if self.priority_scheduling:
             argv += ["--scheduling-policy", "priority"]
-        if self.kv_events_port is not None:
+        if self.kv_events_endpoint is not None:
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
-                      "endpoint": f"tcp://127.0.0.1:{self.kv_events_port}"}
-            if self.kv_events_replay_port is not None:
-                events["replay_endpoint"] = f"tcp://127.0.0.1:{self.kv_events_replay_port}"
+                      "endpoint": self.kv_events_endpoint}
+            if self.kv_events_replay_endpoint is not None:
+                events["replay_endpoint"] = self.kv_events_replay_endpoint
             argv += ["--kv-events-config", json.dumps(events)]
         return argv + list(self.extra_args)
 
@@ -81,13 +82,12 @@ class VllmEngine:
     @property
     def kv_events_endpoint(self) -> str | None:
         """Where its KV events are published, if enabled."""
-        return None if self.spec.kv_events_port is None else f"tcp://127.0.0.1:{self.spec.kv_events_port}"
+        return self.spec.kv_events_endpoint
 
     @property
     def replay_endpoint(self) -> str | None:
         """Where buffered KV event batches can be replayed from, if enabled."""
-        port = self.spec.kv_events_replay_port
-        return None if port is None else f"tcp://127.0.0.1:{port}"
+        return self.spec.kv_events_replay_endpoint
 
     @property
     def log_path(self) -> Path:

@@ -4,6 +4,7 @@ tokens, probed through their own counters (`vllm:prefix_cache_hits_total` / `que
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -61,28 +62,33 @@ def engine_sizing(spec: WorkloadSpec, cache_fraction: float, workdir: Path) -> E
 async def vllm_fleet(spec: WorkloadSpec, replicas: int, cache_fraction: float, python: str, workdir: Path,
                      precise: bool = False) -> AsyncIterator[RunningFleet]:
     """Start `replicas` fleet engines (one per core, round robin) and the oracle; with `precise` the fleet publishes
-    KV events and one more engine with the whole fleet's cache is the pressure oracle."""
+    KV events and one more engine with the whole fleet's cache is the pressure oracle.
+
+    The engines publish on ipc:// sockets, which vLLM binds, so any number of gateways connect to them. (A tcp://
+    address without `*` would make vLLM connect out to a gateway that binds it: one gateway only, and a port picked
+    free at the start may be some connection's source port by the time the gateway binds it.)"""
     sizing = engine_sizing(spec, cache_fraction, workdir)
     model_dir = workdir / "model"
-    ports = free_ports(3 * replicas + 2)
-    events = iter(ports[replicas + 2:])
+    ports = free_ports(replicas + 2)
+    # A short folder of its own: a socket's path must fit in 107 characters, whatever `workdir` is.
+    with tempfile.TemporaryDirectory(prefix="kvgate-events-") as sockets:
 
-    def engine(port: int, cpu: int, blocks: int, seats: int, publish: bool = False) -> EngineSpec:
-        return EngineSpec(port=port, cpu=cpu, model_dir=model_dir, served_model_name=spec.model,
-                          kv_cache_bytes=blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN, max_num_seqs=seats,
-                          max_model_len=sizing.max_model_len, kv_events_port=next(events) if publish else None,
-                          kv_events_replay_port=next(events) if publish else None)
+        def engine(port: int, cpu: int, blocks: int, seats: int, publish: bool = False) -> EngineSpec:
+            return EngineSpec(port=port, cpu=cpu, model_dir=model_dir, served_model_name=spec.model,
+                              kv_cache_bytes=blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN, max_num_seqs=seats,
+                              max_model_len=sizing.max_model_len,
+                              kv_events_endpoint=f"ipc://{sockets}/{port}" if publish else None,
+                              kv_events_replay_endpoint=f"ipc://{sockets}/{port}.replay" if publish else None)
 
-    specs = [engine(port, index % 2, sizing.fleet_blocks, sizing.fleet_seats, precise)
-             for index, port in enumerate(ports[:replicas])]
-    specs.append(engine(ports[replicas], 0, sizing.oracle_blocks, sizing.oracle_seats))
-    if precise:
-        specs.append(engine(ports[replicas + 1], 1, replicas * sizing.fleet_blocks, replicas * sizing.fleet_seats))
-    async with running_engines(specs, workdir / "engines", python) as engines:
-        fleet = engines[:replicas]
-        flags = [flag for e in fleet for flag in ("--kv-events-endpoint", f"{e.url}={e.kv_events_endpoint}",
-                                                  "--kv-events-replay-endpoint", f"{e.url}={e.replay_endpoint}")]
-        direct = {"oracle": [engines[replicas].url]} | ({"pressure oracle": [engines[-1].url]} if precise else {})
-        # The engines' endpoints name an address (no `*`), so vLLM connects out to it and kvgate binds it.
-        flags += ["--kv-events-bind", "true", "--tokenizer", f"{spec.model}={model_dir}"]
-        yield RunningFleet([e.url for e in fleet], direct, flags)
+        specs = [engine(port, index % 2, sizing.fleet_blocks, sizing.fleet_seats, precise)
+                 for index, port in enumerate(ports[:replicas])]
+        specs.append(engine(ports[replicas], 0, sizing.oracle_blocks, sizing.oracle_seats))
+        if precise:
+            specs.append(engine(ports[replicas + 1], 1, replicas * sizing.fleet_blocks, replicas * sizing.fleet_seats))
+        async with running_engines(specs, workdir / "engines", python) as engines:
+            fleet = engines[:replicas]
+            flags = [flag for e in fleet for flag in ("--kv-events-endpoint", f"{e.url}={e.kv_events_endpoint}",
+                                                      "--kv-events-replay-endpoint", f"{e.url}={e.replay_endpoint}")]
+            direct = {"oracle": [engines[replicas].url]} | ({"pressure oracle": [engines[-1].url]} if precise else {})
+            flags += ["--tokenizer", f"{spec.model}={model_dir}"]
+            yield RunningFleet([e.url for e in fleet], direct, flags)
