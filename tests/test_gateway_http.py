@@ -224,7 +224,8 @@ async def test_each_request_logs_where_it_went_and_why(sim, caplog) -> None:
                 messages.append((await resp.json())["choices"][0]["message"])
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request id=")]
     assert len(lines) == 2
-    assert "reason=cold matched=0.00 status=200" in lines[0]
+    assert "class=interactive" in lines[0] and "reason=cold matched=0.00 status=200" in lines[0]
+    assert float(lines[0].split("wait_ms=")[1].split()[0]) >= 0.0  # time before it was sent: none was queued
     # the second turn goes where the first left the conversation, which holds most of its prompt
     replica = lines[0].split("replica=")[1].split()[0]
     assert f"replica={replica} reason=prefix_hit matched=0.9" in lines[1]

@@ -135,6 +135,7 @@ class RequestPipeline:
         headers["x-request-id"] = outcome.request_id
         targets = iter((decision.endpoint, *decision.fallbacks))
         outcome.reason, outcome.matched = decision.reason, decision.matched_fraction
+        outcome.sent = time.monotonic()
         preemptions = retries = 0
         target = next(targets)
         while True:
@@ -184,11 +185,16 @@ class RequestPipeline:
         metrics.duration.labels(path, model_label).observe(duration)
         if outcome.ttfb is not None:
             metrics.ttfb.labels(path, model_label).observe(outcome.ttfb)
-        log.info("request id=%s path=%s model=%s replica=%s reason=%s matched=%.2f status=%s attempts=%d ttfb_ms=%s "
-                 "duration_ms=%.1f%s", outcome.request_id, path, model, outcome.replica, outcome.reason, outcome.matched,
-                 outcome.status, outcome.attempts,
+        log.info("request id=%s path=%s model=%s class=%s replica=%s reason=%s matched=%.2f status=%s attempts=%d "
+                 "wait_ms=%s ttfb_ms=%s duration_ms=%.1f%s", outcome.request_id, path, model,
+                 request.info.priority_class if request is not None else "-", outcome.replica, outcome.reason,
+                 outcome.matched, outcome.status, outcome.attempts, _ms(outcome.sent, outcome.arrived),
                  "-" if outcome.ttfb is None else f"{outcome.ttfb * 1000:.1f}", duration * 1000,
                  f" error={outcome.error}" if outcome.error else "")
+
+
+def _ms(end: float | None, start: float) -> str:
+    return "-" if end is None else f"{(end - start) * 1000:.1f}"
 
 
 async def _body(http: web.Request, limit: int) -> bytes:

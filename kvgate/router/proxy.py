@@ -51,6 +51,7 @@ class Outcome:
 
     request_id: str = "-"
     arrived: float = 0.0  # time.monotonic() when the request arrived
+    sent: float | None = None  # time.monotonic() when it was first sent to a replica (after admission)
     status: int = 0
     replica: str = "-"
     reason: str = "-"  # the routing decision's reason (prefix_hit, cold, overflow, ...)
