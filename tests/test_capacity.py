@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_fits, kv_slots,
-                                      room_for, seat_to_free)
+                                      occupied, room_for, seat_to_free)
 from kvgate.policies.rendezvous import retry_order
 
 
@@ -75,6 +76,26 @@ def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_the
     kv_full = EndpointState(Endpoint("d", "http://d:8000"), metrics=ReplicaMetrics(
         running=4, waiting=1, kv_cache_usage=0.81, scraped_at=1.0, stale=False))  # its cache holds four of these
     assert seat_to_free([kv_full], {"d": [Holder(6), Holder(7)]}, {}) == [Holder(6), Holder(7)]
+
+
+def test_a_request_sent_during_the_engine_step_before_a_scrape_still_counts_as_on_the_replica() -> None:
+    # vLLM sets its gauges once per engine step: a scrape that began after a send may not show it yet.
+    unseen = replica("a", seats=4, running=3, in_flight=4)  # nothing sent since the scrape, four open
+    assert occupied(unseen) == 4
+    assert room_for([unseen], SaturationThresholds(), ClassStanding(alone=False)) == 0
+    shared = replica("b", seats=8, running=6, in_flight=2)  # the page also counts other gateways' requests
+    assert occupied(shared) == 6
+
+
+def test_a_replica_of_unknown_seats_showing_a_queue_is_full_for_a_request_that_does_not_probe() -> None:
+    queued = replica("a", seats=None, running=20, waiting=2)  # every seat it can run now is taken
+    limits = SaturationThresholds(queue=5)
+    assert room_for([queued], limits, ClassStanding()) == 3  # a class alone: its queue bound, as before
+    assert room_for([queued], limits, ClassStanding(alone=False)) == 0  # in a mix it would wait behind that queue
+    finished = dataclasses.replace(queued, recent=-3)  # three ended since the scrape: the queue moved up, a seat freed
+    assert room_for([finished], limits, ClassStanding(alone=False)) == 1
+    victims = {"a": [Holder(1), Holder(2), Holder(3)]}
+    assert seat_to_free([queued], victims, {}) == [Holder(1), Holder(2), Holder(3)]  # two queued, then a seat
 
 
 def test_retries_try_every_candidate_after_the_ranked_ones_least_loaded_first() -> None:

@@ -2,8 +2,8 @@
 
 Every feature that asks "is there room?" asks here: admission (room for one more request of a class),
 routing (which replicas have a free seat), preemption (which seat to free) and the fleet's seat learning.
-A replica's load is read from its last scrape moved by what this gateway sent and saw finish since
-(EndpointState.recent); its seats (vLLM --max-num-seqs) are configured or learned from /metrics.
+A replica's load is read from its last scrape moved by what the page does not show yet (unseen()); its seats
+(vLLM --max-num-seqs) are configured or learned from /metrics.
 """
 
 from __future__ import annotations
@@ -29,15 +29,27 @@ class SaturationThresholds:
     seated_queue: int = 0  # with a replica's seats known, requests that may wait inside it; the rest wait in kvgate
 
 
+def unseen(state: EndpointState) -> int:
+    """Requests on the replica that its last scrape does not show (negative when more finished than were sent).
+
+    Those sent since the scrape less those finished since, and at least what this gateway has open on it beyond
+    the scraped count: vLLM sets its gauges once per engine step, after scheduling, so a request that reached it
+    during the step before a scrape is in neither the page nor what was sent since (a step lasts up to seconds
+    on a CPU engine, or during a long prefill).
+    """
+    metrics = state.metrics
+    return max(state.recent, state.in_flight - metrics.running - metrics.waiting)
+
+
 def occupied(state: EndpointState) -> int:
-    """Requests on the replica now, running or waiting: the last scrape moved by what was sent and finished since."""
+    """Requests on the replica now, running or waiting: the last scrape moved by what it does not show yet."""
     if state.metrics.scraped_at is None:
         return max(0, state.recent)
-    return max(0, state.metrics.running + state.metrics.waiting + state.recent)
+    return max(0, state.metrics.running + state.metrics.waiting + unseen(state))
 
 
 def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int | None = None) -> int:
-    """The replica's queue now: the last scraped depth moved by what was sent and finished since.
+    """The replica's queue now: the last scraped depth moved by what the scrape does not show yet (unseen).
 
     With its seat count known, whatever is on the replica beyond its seats. Without it, a request sent since
     the scrape is taken to run when the scrape showed no queue (an idle replica takes a burst at once, and
@@ -53,7 +65,15 @@ def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int |
         return max(0, occupied(state) - seats)
     if not metrics.waiting and not cautious:
         return 0
-    return max(0, metrics.waiting + state.recent)
+    return max(0, metrics.waiting + unseen(state))
+
+
+def full_at(metrics: ReplicaMetrics) -> int | None:
+    """What a replica runs when its last fresh scrape shows a queue: vLLM schedules before it sets its gauges, so a
+    request still waiting then found no seat, KV room or token budget free; None when the scrape shows no queue."""
+    if metrics.stale or metrics.scraped_at is None or metrics.waiting <= 0:
+        return None
+    return metrics.running
 
 
 def free_seats(state: EndpointState) -> int | None:
@@ -74,10 +94,14 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     allows it, and counts every request sent since the scrape to a replica of unknown seats as waiting: only
     a request that nobody more important waits behind is let into a replica on the hope that it has room.
     `kv_bound` also counts what the replica's KV cache holds at once (kv_slots), for a class that leaves room.
+    A replica of unknown seats whose scrape shows a queue is full at its running count (full_at) for a request
+    that does not probe: it would wait there behind the queue, first come first served.
     """
     room = float("inf")
     metrics = state.metrics
     seats = slots(state.seats, metrics, limits.kv_cache) if kv_bound else state.seats
+    if not seats and not probe:
+        seats = full_at(metrics)
     if metrics.scraped_at is not None:
         if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
@@ -148,7 +172,7 @@ def kv_fits(state: EndpointState, tokens: int) -> bool:
         return True
     used = metrics.kv_cache_usage * capacity
     held = max(used / metrics.running if metrics.running else 0.0, tokens)
-    free = capacity - used - max(0, state.recent) * held - metrics.block_size * (metrics.running + 1)
+    free = capacity - used - max(0, unseen(state)) * held - metrics.block_size * (metrics.running + 1)
     return free >= tokens
 
 
@@ -164,9 +188,9 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
     if not yields or state.seats or metrics.scraped_at is None:
         return room
     if metrics.waiting:  # it is full: only what may wait inside a replica (seated_queue) goes on
-        allowed = limits.seated_queue - metrics.waiting - state.recent
+        allowed = limits.seated_queue - metrics.waiting - unseen(state)
     else:
-        allowed = growth_step(metrics) + limits.seated_queue - state.recent
+        allowed = growth_step(metrics) + limits.seated_queue - unseen(state)
     return min(room, max(0, allowed))
 
 
@@ -305,14 +329,14 @@ def seat_to_free(candidates: Sequence[EndpointState], victims: Mapping[str, Sequ
 
     `victims` lists each replica's preemptible requests oldest first, `preempted` how many on it already let
     go. On a replica whose seats are known, or else whose KV cache holds a known number of sequences like those
-    it runs (kv_slots, filled to the brim), freeing one takes as many of its youngest victims as it holds
+    it runs (kv_slots, filled to the brim), or else which shows a queue (full_at), freeing one takes as many of its youngest victims as it holds
     requests beyond that count, plus one (a request waiting inside it holds no seat). The replica needing the
     fewest wins, then the one with the youngest victim: the youngest has done the least work, so little is lost.
     """
     best: tuple[tuple[int, int], list[H]] | None = None
     for state in candidates:
         mine = victims.get(state.key, ())
-        seats = state.seats or kv_slots(state.metrics, 1.0)
+        seats = state.seats or kv_slots(state.metrics, 1.0) or full_at(state.metrics)
         if not seats or not mine:
             continue
         held = occupied(state) - preempted.get(state.key, 0)
