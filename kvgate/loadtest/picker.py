@@ -72,8 +72,9 @@ class Plan:
     idle_s: float  # how long kvgate's idle CPU rate is measured
 
 
-FULL = Plan(dataclasses.replace(DEFAULT_WORKLOAD, duration=30.0), serial_requests=300, long_stream_chunks=64,
-            long_requests=60, idle_s=3.0)
+# 800 requests a routing row: two rows of the same routing differ by about a point at 400
+FULL = Plan(dataclasses.replace(DEFAULT_WORKLOAD, conversations=200, duration=60.0), serial_requests=600,
+            long_stream_chunks=64, long_requests=60, idle_s=3.0)
 QUICK = Plan(dataclasses.replace(QUICK_WORKLOAD, duration=5.0, conversations=12), serial_requests=20,
              long_stream_chunks=16, long_requests=5, idle_s=0.5)
 
