@@ -133,6 +133,17 @@ def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what
     assert room_for([queued], SaturationThresholds(), ClassStanding(yields=True)) == 0
 
 
+def test_a_page_that_lags_this_gateways_count_does_not_stall_the_growth_of_a_replica_of_unknown_seats() -> None:
+    # A real CPU engine's page showed 0-3 running while kvgate had 4 open there, through a whole run: requests spend
+    # much of their life in vLLM's server, on their way in or out of the scheduler. Growth counts from the scrape.
+    lagging = replica("a", seats=None, running=2, in_flight=4)  # nothing sent since the scrape
+    assert occupied(lagging) == 4  # what the replica holds still counts them
+    assert room_for([lagging], SaturationThresholds(), ClassStanding(yields=True)) == 1  # one step past the scrape
+    assert room_for([lagging], SaturationThresholds(queue=5), ClassStanding(alone=False)) == 5  # none sent since
+    grown = dataclasses.replace(lagging, in_flight=5, recent=1)
+    assert room_for([grown], SaturationThresholds(), ClassStanding(yields=True)) == 0  # its step taken until a scrape
+
+
 def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_scrape() -> None:
     def cache(running: int, usage: float, recent: int = 0) -> EndpointState:  # 500 blocks of 16 tokens
         metrics = ReplicaMetrics(running=running, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500,

@@ -54,7 +54,9 @@ def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int |
     With its seat count known, whatever is on the replica beyond its seats. Without it, a request sent since
     the scrape is taken to run when the scrape showed no queue (an idle replica takes a burst at once, and
     the next scrape shows where it went) and to wait behind the queue it showed; `cautious` counts every
-    such request as waiting until the next scrape. 0 for a replica never scraped. `seats` overrides the state's
+    request sent since a scrape that showed no queue as waiting until the next scrape (only those: a request the
+    page misses while its engine has no queue is running, or in the engine's server on its way in or out, and
+    on a CPU engine that lag lasts the whole load). 0 for a replica never scraped. `seats` overrides the state's
     (headroom passes what the replica runs at once now, its KV cache included).
     """
     metrics = state.metrics
@@ -63,8 +65,8 @@ def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int |
         return 0
     if seats:
         return max(0, occupied(state) - seats)
-    if not metrics.waiting and not cautious:
-        return 0
+    if not metrics.waiting:
+        return max(0, state.recent) if cautious else 0
     return max(0, metrics.waiting + unseen(state))
 
 
@@ -189,8 +191,8 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
         return room
     if metrics.waiting:  # it is full: only what may wait inside a replica (seated_queue) goes on
         allowed = limits.seated_queue - metrics.waiting - unseen(state)
-    else:
-        allowed = growth_step(metrics) + limits.seated_queue - unseen(state)
+    else:  # growth is counted from the scrape: what the page lags behind this gateway's count must not stall it
+        allowed = growth_step(metrics) + limits.seated_queue - state.recent
     return min(room, max(0, allowed))
 
 
