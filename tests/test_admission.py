@@ -253,18 +253,20 @@ async def test_saturated_simulated_fleet_serves_interactive_first_and_completes_
                                    scrape_timeout=0.04) as gw, aiohttp.ClientSession() as client:
             await wait_until(lambda: not gw.gateway.scraper.metrics(fleet.urls[0]).stale)
 
-            async def send(name: str, cls: str) -> None:
-                body = {"model": MODEL, "messages": [{"role": "user", "content": name}], "max_tokens": 4}
+            async def send(name: str, cls: str, max_tokens: int) -> None:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": name}], "max_tokens": max_tokens}
                 async with client.post(gw.url + "/v1/chat/completions", json=body,
                                        headers={"x-priority": cls}) as resp:
                     assert resp.status == 200, await resp.text()
                     await resp.read()
                 finished.append(name)
 
-            batch = [asyncio.create_task(send(f"batch-{i}", "batch")) for i in range(8)]
+            # Long enough that the queue shows on several scrapes however busy the machine is (8 x 4 tokens were
+            # done in about two scrapes, too few to learn from under load).
+            batch = [asyncio.create_task(send(f"batch-{i}", "batch", 24)) for i in range(8)]
             # An idle replica takes the burst (its seats are not known yet); its queue teaches kvgate the one seat.
             await wait_until(lambda: (gw.gateway.fleet.snapshot().endpoints[0].seats or 0) == 1, timeout=10)
-            interactive = asyncio.create_task(send("interactive", "interactive"))
+            interactive = asyncio.create_task(send("interactive", "interactive", 4))
             await asyncio.wait_for(asyncio.gather(interactive, *batch), 60)
     finally:
         await fleet.stop()
