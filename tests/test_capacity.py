@@ -125,7 +125,7 @@ def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what
     metrics = ReplicaMetrics(running=15, kv_cache_usage=0.06, scraped_at=1.0, stale=False)
     idle_cache = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics)
     assert room_for([idle_cache], SaturationThresholds(), ClassStanding(yields=True)) == 2  # a tenth of 15, rounded up
-    sent_since = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=2)
+    sent_since = EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=2, grown=2, in_flight=2)
     assert room_for([sent_since], SaturationThresholds(), ClassStanding(yields=True)) == 0  # grown by a step already
     assert room_for([sent_since], SaturationThresholds(), ClassStanding(alone=False)) == 3  # the top class: its queue
     queued = EndpointState(Endpoint("a", "http://a:8000"), metrics=ReplicaMetrics(running=15, waiting=1,
@@ -140,7 +140,7 @@ def test_a_page_that_lags_this_gateways_count_does_not_stall_the_growth_of_a_rep
     assert occupied(lagging) == 4  # what the replica holds still counts them
     assert room_for([lagging], SaturationThresholds(), ClassStanding(yields=True)) == 1  # one step past the scrape
     assert room_for([lagging], SaturationThresholds(queue=5), ClassStanding(alone=False)) == 5  # none sent since
-    grown = dataclasses.replace(lagging, in_flight=5, recent=1)
+    grown = dataclasses.replace(lagging, in_flight=5, recent=1, grown=1)
     assert room_for([grown], SaturationThresholds(), ClassStanding(yields=True)) == 0  # its step taken until a scrape
 
 

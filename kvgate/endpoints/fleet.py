@@ -34,6 +34,8 @@ class Fleet:
         self._recent: Counter[str] = Counter()  # sent - finished since each replica's last successful scrape
         self._sends: Counter[str] = Counter()  # requests ever sent to each replica
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
+        self._open_at_scrape: dict[str, int] = {}  # _in_flight when the scrape in flight started
+        self._open_at_page: dict[str, int] = {}  # _in_flight when the last successful scrape started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
         self._set_listeners: list[EndpointsListener] = []
@@ -65,6 +67,8 @@ class Fleet:
             self._recent.pop(key, None)
             self._sends.pop(key, None)
             self._sends_at_scrape.pop(key, None)
+            self._open_at_scrape.pop(key, None)
+            self._open_at_page.pop(key, None)
             self._seats.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
@@ -96,6 +100,7 @@ class Fleet:
         metrics = self._metrics(key)
         return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key],
                              models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
+                             grown=self._in_flight[key] - self._open_at_page.get(key, 0),
                              seats=self._configured_seats or self._seats.seats(key))
 
     def routable_count(self) -> int:
@@ -105,6 +110,7 @@ class Fleet:
     def scrape_started(self, key: str) -> None:
         """A scrape of `key` starts: what was sent and finished before now is in the page it will read."""
         self._sends_at_scrape[key] = self._sends[key]
+        self._open_at_scrape[key] = self._in_flight[key]
 
     def scraped(self, key: str, ok: bool) -> None:
         """A scrape of `key` finished: a fresh one already counts what was sent and finished before it started.
@@ -115,8 +121,10 @@ class Fleet:
         """
         self._version += 1  # new metrics, and staleness may have changed
         started_at = self._sends_at_scrape.pop(key, self._sends[key])
+        open_at_start = self._open_at_scrape.pop(key, self._in_flight[key])
         if ok:
             self._recent[key] = self._sends[key] - started_at
+            self._open_at_page[key] = open_at_start
             learned = self._seats.observe(key, self._metrics(key))
             if learned is not None:
                 log.info("replica seats learned key=%s seats=%d", key, learned)

@@ -61,6 +61,9 @@ class EndpointState:
     models: frozenset[str] = frozenset()  # served models and adapters; empty while unknown
     healthy: bool = True  # passive health: False while its circuit breaker is open
     recent: int = 0  # requests sent minus requests finished since the replica's last successful scrape
+    # requests this gateway has open on it now less those it had open when that scrape started: the net growth
+    # since the page (a request that replaced one finished while the scrape was in flight is no growth)
+    grown: int = 0
     seats: int | None = None  # sequences it runs at once (vLLM --max-num-seqs): configured or learned; None unknown
 
     @property

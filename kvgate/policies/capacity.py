@@ -191,8 +191,9 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
         return room
     if metrics.waiting:  # it is full: only what may wait inside a replica (seated_queue) goes on
         allowed = limits.seated_queue - metrics.waiting - unseen(state)
-    else:  # growth is counted from the scrape: what the page lags behind this gateway's count must not stall it
-        allowed = growth_step(metrics) + limits.seated_queue - state.recent
+    else:  # growth is what this gateway opened there, net, since the scrape started: neither what the page lags
+        # behind its count nor a request that took the place of one finished while the scrape was in flight
+        allowed = growth_step(metrics) + limits.seated_queue - state.grown
     return min(room, max(0, allowed))
 
 
