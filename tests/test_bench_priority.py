@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,7 +21,9 @@ from kvgate.loadtest.priority.client import (
     poisson_arrivals,
     run_open_loop,
 )
-from kvgate.loadtest.priority.scenario import FLEETS, ROWS
+from kvgate.loadtest.kit.report import BadOption
+from kvgate.loadtest.priority.report import render_markdown
+from kvgate.loadtest.priority.scenario import FLEETS, ROWS, plan_from
 from kvgate.simulator import SimOptions
 from tests.bench_run import run_bench
 
@@ -57,6 +60,19 @@ def test_report_has_the_unloaded_run_and_every_requested_row(quick_run: tuple[di
     for row in ("| unloaded ", "| (a) ", "| (b) ", "| (c) "):
         assert row in docs
     assert "routing table" in docs  # another benchmark's section survives
+
+
+def test_a_given_capacity_replaces_the_probe_in_the_plan_and_the_report(quick_run: tuple[dict[str, Any], str]) -> None:
+    flags = dict(rows=None, duration=None, unloaded_duration=None, capacity_duration=None, replicas=None, seed=None,
+                 quick=True, fleet="real")
+    assert plan_from(argparse.Namespace(**flags, capacity=24.0)).capacity_rps == 24.0
+    assert plan_from(argparse.Namespace(**flags, capacity=None)).capacity_rps is None  # probed
+    with pytest.raises(BadOption, match="--capacity"):
+        plan_from(argparse.Namespace(**flags, capacity=0.0))
+    report, _ = quick_run
+    assert report["capacity"]["rps"] == report["capacity"]["measured_rps"] > 0
+    given = {**report, "capacity": {**report["capacity"], "rps": 24.0, "measured_rps": None}}
+    assert "Capacity: 24.0 req/s as given" in render_markdown(given)
 
 
 def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(

@@ -178,9 +178,12 @@ def render_markdown(report: dict[str, Any]) -> str:
         "with its own prompt (no prefix reuse); interactive requests stream, batch requests read whole answers "
         "as batch jobs do (streamed in row f).",
         "",
-        f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
-        f"always open directly against the replicas, {plan['capacity_s']} s after a {plan['capacity_warmup_s']} s "
-        f"warm-up, the longest request's time){derived}. Loads below are multiples of the measured value.",
+        (f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
+         f"always open directly against the replicas, {plan['capacity_s']} s after a {plan['capacity_warmup_s']} s "
+         f"warm-up, the longest request's time){derived}. Loads below are multiples of the measured value."
+         if capacity["measured_rps"] is not None else
+         f"Capacity: {capacity['rps']} req/s as given (`--capacity`, not probed){derived}. Loads below are "
+         "multiples of it."),
         "",
         f"Load: open loop, Poisson arrivals, each run on a fresh fleet and gateway. Unloaded: interactive only at "
         f"{plan['unloaded_fraction']:.0%} of capacity for {plan['unloaded_s']} s. Overload: {plan['overload_factor']}x "

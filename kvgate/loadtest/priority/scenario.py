@@ -104,6 +104,9 @@ class Plan:
     lead_in_s: float = 5.0  # interactive traffic alone before the batch flood starts
     seed: int = 1
     real: bool = False  # real vLLM engines (the CPU build, one per core) with the sim's seats and model name
+    # loads are multiples of this rate instead of the probe's: runs of different code meet the same load (a real
+    # engine's probe moved between 16.6 and 46.5 req/s from run to run)
+    capacity_rps: float | None = None
 
     @property
     def drain_cap_s(self) -> float:
@@ -211,8 +214,11 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
     """Capacity probe, unloaded baseline, then each overload row on a fresh fleet; the report as plain JSON."""
     seats = plan.replicas * plan.sim.max_num_seqs
     async with _fleet(plan, "capacity-fleet", plan.sim, log_dir) as urls:
-        capacity = await measure_throughput(urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
-        progress(f"capacity: measured {capacity:.1f} req/s, derived {plan.derived_capacity():.1f} req/s")
+        measured = None if plan.capacity_rps else await measure_throughput(
+            urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
+        capacity = plan.capacity_rps or measured or 0.0
+        progress(f"capacity: {'given' if plan.capacity_rps else 'measured'} {capacity:.1f} req/s, "
+                 f"derived {plan.derived_capacity():.1f} req/s")
         async with running(start_gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir)) as url:
             unloaded = await _run(plan, url, urls, "unloaded", f"{ADMISSION.title}, interactive only",
                                   plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
@@ -234,8 +240,8 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
     fifo = next((run for run in runs if run.key == FIFO.key), None)
     return {
         "plan": plan.to_json(),
-        "capacity": {"measured_rps": round(capacity, 1), "derived_rps": round(plan.derived_capacity(), 1),
-                     "seats": seats},
+        "capacity": {"rps": round(capacity, 1), "measured_rps": None if measured is None else round(measured, 1),
+                     "derived_rps": round(plan.derived_capacity(), 1), "seats": seats},
         "unloaded": unloaded.to_json(),
         "runs": [run.to_json() for run in runs],
         "verdicts": [verdict(run, unloaded, fifo, ROWS[run.key].batch_stream) for run in runs
@@ -248,6 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", help=f"comma-separated rows to run, of {','.join(ROWS)} (--quick: a-c)")
     parser.add_argument("--unloaded-duration", type=float, help="seconds of the unloaded run")
     parser.add_argument("--capacity-duration", type=float, help="seconds the capacity probe measures")
+    parser.add_argument("--capacity", type=float, metavar="RPS",
+                        help="the fleet's capacity in requests/s, instead of probing it: loads are multiples of it, "
+                             "so runs of different code (or days) meet the same load")
     parser.add_argument("--replicas", type=int, help="simulated replicas")
     parser.add_argument("--fleet", choices=sorted(FLEETS), default="seats32",
                         help="the fleet's binding limit: seats (32 each), the KV cache, or compute (256 seats); "
@@ -258,9 +267,11 @@ def plan_from(options: argparse.Namespace) -> Plan:
     """The preset the flags pick, with the flags' overrides; BadOption naming an unknown row."""
     overrides = {"rows": tuple(options.rows.split(",")) if options.rows else None, "overload_s": options.duration,
                  "unloaded_s": options.unloaded_duration, "capacity_s": options.capacity_duration,
-                 "replicas": options.replicas, "seed": options.seed}
+                 "replicas": options.replicas, "seed": options.seed, "capacity_rps": options.capacity}
     preset = dataclasses.replace(QUICK if options.quick else FULL, **FLEETS[options.fleet])
     plan = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
+    if plan.capacity_rps is not None and plan.capacity_rps <= 0:
+        raise BadOption(f"--capacity must be > 0 requests/s, got {plan.capacity_rps}")
     unknown = [key for key in plan.rows if key not in ROWS]
     if unknown:
         raise BadOption(f"unknown row(s) {', '.join(unknown)}; choose from {', '.join(ROWS)}")
