@@ -4,7 +4,7 @@ folds the lines of any SSE body (the locustfile reads its own with it)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,31 +60,55 @@ class ChatStream:
             self.error = "stream ended without [DONE]"
 
 
+class ChatReply(ChatStream):
+    """One chat completion's answer: when it was sent and ended, its status (None: no response), `Retry-After`."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        super().__init__(clock)
+        self.sent = self.ended = clock()
+        self.status: int | None = None
+        self.retry_after: str | None = None
+        self.raised = False  # the connection or the answer broke (an exception, not an answer)
+
+    @property
+    def ttft(self) -> float | None:
+        """Sending to the first non-empty content delta."""
+        return self.delta_times[0] - self.sent if self.delta_times else None
+
+
+async def post_chat(session: aiohttp.ClientSession, base_url: str, body: bytes, headers: Mapping[str, str] | None = None,
+                    timeout: float | None = None) -> ChatReply:
+    """Send one chat completion (given up after `timeout` seconds, if given) and read its answer, streamed or whole."""
+    loop = asyncio.get_running_loop()
+    reply = ChatReply(loop.time)
+    limit = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=max(timeout, 0.001))}
+    try:
+        async with session.post(base_url + CHAT_PATH, data=body,
+                                headers={"Content-Type": "application/json", **(headers or {})}, **limit) as response:
+            reply.status, reply.retry_after = response.status, response.headers.get("Retry-After")
+            if response.status != 200:
+                reply.error = f"HTTP {response.status}: {(await response.text())[:_ERROR_TEXT_CHARS]}"
+            elif response.content_type != "text/event-stream":
+                answer = orjson.loads(await response.read())
+                if not answer.get("choices"):
+                    reply.error = f"answer without choices: {str(answer)[:_ERROR_TEXT_CHARS]}"
+            else:
+                async for line in response.content:
+                    reply.feed(line)
+                    if reply.error is not None:
+                        break
+                reply.finish()
+    except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
+        reply.error, reply.raised = f"{type(exc).__name__}: {str(exc)[:_ERROR_TEXT_CHARS]}", True
+    reply.ended = loop.time()
+    return reply
+
+
 async def stream_chat(
     session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], run_start: float, timeout: float
 ) -> tuple[RequestSample, str]:
     """Send one streamed chat completion, given up after `timeout` seconds; the sample and the reply text."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    reply = ChatStream(loop.time)
-    try:
-        async with session.post(base_url + CHAT_PATH, data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=max(timeout, 0.001))) as response:
-            if response.status != 200:
-                text = await response.text()
-                reply.error = f"HTTP {response.status}: {text[:_ERROR_TEXT_CHARS]}"
-            else:
-                async for line in response.content:
-                    reply.feed(line)
-                reply.finish()
-    except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-        reply.error = f"{type(exc).__name__}: {str(exc)[:_ERROR_TEXT_CHARS]}"
-    sample = RequestSample(
-        start=start - run_start,
-        ttft=reply.delta_times[0] - start if reply.delta_times else None,
-        e2e=loop.time() - start,
-        output_chunks=len(reply.delta_times),
-        error=reply.error,
-    )
+    reply = await post_chat(session, base_url, orjson.dumps(body), timeout=timeout)
+    sample = RequestSample(reply.sent - run_start, reply.ttft, reply.ended - reply.sent, len(reply.delta_times),
+                           reply.error)
     return sample, "".join(reply.text)

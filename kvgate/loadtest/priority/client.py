@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
-from kvgate.loadtest.kit.stream import CHAT_PATH, ChatStream
+from kvgate.loadtest.kit.stream import post_chat
 
 INTERACTIVE = "interactive"
 BATCH = "batch"
 _PROMPT_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
-_DETAIL_CHARS = 160
 # No per-request timeout: the run's drain cap bounds every request, and one still open then counts as lost.
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
 
@@ -92,44 +91,16 @@ class Sample:
     lead_in: bool = False  # sent before the flood (Arrival.lead_in)
 
 
-async def _read(response: aiohttp.ClientResponse, start: float) -> tuple[float | None, str]:
-    """Read a 200 answer, streamed or whole: the time to its first content delta, and what went wrong ('' if
-    nothing)."""
-    if response.content_type != "text/event-stream":
-        answer = orjson.loads(await response.read())
-        return None, "" if answer.get("choices") else f"answer without choices: {str(answer)[:_DETAIL_CHARS]}"
-    reply = ChatStream(asyncio.get_running_loop().time)
-    async for line in response.content:
-        reply.feed(line)
-        if reply.error is not None:
-            break
-    reply.finish()
-    return (reply.delta_times[0] - start if reply.delta_times else None), reply.error or ""
-
-
 async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body: bytes, run_start: float) -> Sample:
     """Send one request with its class in `x-priority` and classify the answer, streamed or whole."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    lag = start - run_start - arrival.at
-    status: int | None = None
-    try:
-        async with session.post(url + CHAT_PATH, data=body, headers={"Content-Type": "application/json",
-                                                                     "x-priority": arrival.priority}) as response:
-            status = response.status
-            if status == 200:
-                ttft, detail = await _read(response, start)
-                outcome = Outcome.ERROR if detail else Outcome.OK
-            else:
-                ttft, detail = None, f"HTTP {status}: {(await response.text())[:_DETAIL_CHARS]}"
-                outcome = Outcome.SHED if status == 429 else Outcome.ERROR
-    except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
-        # A failure before any status is a request left without an answer; after it, a broken answer.
-        return Sample(arrival.priority, Outcome.LOST if status is None else Outcome.ERROR, lag,
-                      detail=f"{type(exc).__name__}: {str(exc)[:_DETAIL_CHARS]}", lead_in=arrival.lead_in)
-    end = loop.time()
-    return Sample(arrival.priority, outcome, lag, ttft, end - start, end - run_start,
-                  response.headers.get("Retry-After"), detail, arrival.lead_in)
+    reply = await post_chat(session, url, body, {"x-priority": arrival.priority})
+    lag = reply.sent - run_start - arrival.at
+    if reply.raised:  # a failure before any status is a request left without an answer; after it, a broken answer
+        return Sample(arrival.priority, Outcome.LOST if reply.status is None else Outcome.ERROR, lag,
+                      detail=reply.error or "", lead_in=arrival.lead_in)
+    outcome = Outcome.OK if reply.error is None else Outcome.SHED if reply.status == 429 else Outcome.ERROR
+    return Sample(arrival.priority, outcome, lag, reply.ttft, reply.ended - reply.sent, reply.ended - run_start,
+                  reply.retry_after, reply.error or "", arrival.lead_in)
 
 
 async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float) -> list[Sample]:
