@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
-from kvgate.loadtest.kit.counters import SimProbe, read_stats, reset_for_row
+from kvgate.loadtest.kit.counters import SimProbe, reset_for_row
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
 from kvgate.loadtest.kit.processes import (
     HOST,
@@ -29,7 +29,7 @@ from kvgate.loadtest.kit.processes import (
     start_sim_fleet,
     start_stub,
 )
-from kvgate.loadtest.kit.report import publish
+from kvgate.loadtest.kit.report import publish, table
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
@@ -127,7 +127,7 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
                     start = time.monotonic()
                     row.samples = await ConversationDriver(spec, [target]).run(conversations)
                     row.wall_seconds = time.monotonic() - start
-                    row.replica_stats = await read_stats(session, urls)
+                    row.replica_stats = await SimProbe().stats(session, urls)
                 summary = summarise_row(row, None)
                 rows.append({"row": name, "requests": summary.requests, "errors": summary.errors,
                              "hit_rate": summary.hit_rate, "ttft_p50_ms": _ms(summary.ttft_p50),
@@ -220,18 +220,19 @@ def render_markdown(report: dict[str, Any]) -> str:
     """The two tables and the targets."""
     routing = {row["row"]: row for row in report["routing"]}
     cost = {row["row"]: row for row in report["cost"]}
-    lines = ["| routing | hit rate | TTFT p50 | TTFT p99 | requests | errors | per replica |",
-             "|---|---|---|---|---|---|---|"]
-    for row in report["routing"]:
-        lines.append(f"| {row['row']} | {row['hit_rate']:.1%} | {row['ttft_p50_ms']:.0f} ms | "
-                     f"{row['ttft_p99_ms']:.0f} ms | {row['requests']} | {row['errors']} | {row['replica_requests']} |")
-    lines += ["", "| path (instant stub replicas) | TTFB p50 | TTFB p99 | per streamed chunk | kvgate CPU per request "
-                  "| kvgate CPU per chunk |", "|---|---|---|---|---|---|"]
-    for row in report["cost"]:  # per streamed chunk: beyond the stub's own 1 ms pacing
-        cpu_request = "-" if row["kvgate_cpu_ms_per_request"] is None else f"{row['kvgate_cpu_ms_per_request']:.2f} ms"
-        cpu_chunk = "-" if row["kvgate_cpu_us_per_chunk"] is None else f"{row['kvgate_cpu_us_per_chunk']:.1f} µs"
-        lines.append(f"| {row['row']} | {row['ttfb_p50_ms']:.2f} ms | {row['ttfb_p99_ms']:.2f} ms | "
-                     f"{row['chunk_us']:.1f} µs | {cpu_request} | {cpu_chunk} |")
+    lines = table(("routing", "hit rate", "TTFT p50", "TTFT p99", "requests", "errors", "per replica"), [
+        (row["row"], f"{row['hit_rate']:.1%}", f"{row['ttft_p50_ms']:.0f} ms", f"{row['ttft_p99_ms']:.0f} ms",
+         row["requests"], row["errors"], row["replica_requests"]) for row in report["routing"]])
+
+    def optional(value: float | None, spec: str, unit: str) -> str:
+        return "-" if value is None else f"{value:{spec}} {unit}"
+
+    # per streamed chunk: beyond the stub's own 1 ms pacing
+    lines += ["", *table(("path (instant stub replicas)", "TTFB p50", "TTFB p99", "per streamed chunk",
+                          "kvgate CPU per request", "kvgate CPU per chunk"), [
+        (row["row"], f"{row['ttfb_p50_ms']:.2f} ms", f"{row['ttfb_p99_ms']:.2f} ms", f"{row['chunk_us']:.1f} µs",
+         optional(row["kvgate_cpu_ms_per_request"], ".2f", "ms"), optional(row["kvgate_cpu_us_per_chunk"], ".1f", "µs"))
+        for row in report["cost"]])]
     added = cost[PICKER]["ttfb_p50_ms"] - cost[ENVOY]["ttfb_p50_ms"]
 
     def gap(first: str, second: str) -> str:

@@ -68,16 +68,6 @@ async def _call_all(session: aiohttp.ClientSession, method: str, urls: Sequence[
     return list(await asyncio.gather(*(call(url) for url in urls)))
 
 
-async def reset_stats(session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
-    """Zero every replica's counters and clear its prefix cache (`POST /sim/reset`)."""
-    await _call_all(session, "POST", urls, "/sim/reset")
-
-
-async def read_stats(session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
-    """Every replica's `/sim/stats`, in the order of `urls`."""
-    return await _call_all(session, "GET", urls, "/sim/stats")
-
-
 @dataclass(frozen=True, slots=True)
 class RunningFleet:
     """Started replicas: the fleet's URLs, the oracles' by row kind, and kvgate's flags to route on their KV events."""
@@ -92,18 +82,21 @@ class ReplicaProbe(Protocol):
 
     async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
         """Zero the counters and empty the prefix caches."""
-        ...
 
     async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
         """Counters since the reset and queues now, per replica, with /sim/stats' names."""
-        ...
 
 
 class SimProbe:
     """The simulator's exact counters: `POST /sim/reset` and `GET /sim/stats` on every replica."""
 
-    reset = staticmethod(reset_stats)
-    stats = staticmethod(read_stats)
+    async def reset(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> None:
+        """Zero every replica's counters and clear its prefix cache."""
+        await _call_all(session, "POST", urls, "/sim/reset")
+
+    async def stats(self, session: aiohttp.ClientSession, urls: Sequence[str]) -> list[dict[str, Any]]:
+        """Every replica's `/sim/stats`, in the order of `urls`."""
+        return await _call_all(session, "GET", urls, "/sim/stats")
 
 
 async def reset_for_row(session: aiohttp.ClientSession, probe: ReplicaProbe, replica_urls: Sequence[str],

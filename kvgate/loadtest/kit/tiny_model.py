@@ -60,7 +60,10 @@ def _model_config(vocab_size: int, bos_id: int, eos_id: int) -> dict:
 
 
 def write_tiny_model(directory: Path) -> Path:
-    """Write the model directory (config, tokenizer, chat template) into `directory`; the same bytes every run."""
+    """Write the model directory (config, tokenizer, chat template) into `directory` unless it holds it already; the
+    same bytes every run."""
+    if (directory / "generation_config.json").exists():  # written last
+        return directory
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer_text = _tokenizer_json()
     vocab = json.loads(tokenizer_text)["model"]["vocab"]  # special tokens included

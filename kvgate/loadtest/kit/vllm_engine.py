@@ -17,6 +17,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvgate.loadtest.kit.report import BadOption
+
 VLLM_PYTHON_ENV = "KVGATE_VLLM_PYTHON"
 HASH_SEED = "0"  # PYTHONHASHSEED of every engine: sha256_cbor block hashes are then the same on every run
 
@@ -25,6 +27,14 @@ def vllm_python() -> str | None:
     """The interpreter with vLLM installed, or None when the real-engine suite was not set up."""
     path = os.environ.get(VLLM_PYTHON_ENV)
     return path if path and Path(path).exists() else None
+
+
+def require_vllm_python(flag: str = "") -> str:
+    """vllm_python(), or BadOption saying that the scenario (or its `flag`) needs it."""
+    python = vllm_python()
+    if python is None:
+        raise BadOption(f"{flag + ' ' if flag else ''}needs {VLLM_PYTHON_ENV}, an interpreter with vLLM (./dev real makes one)")
+    return python
 
 
 @dataclass(frozen=True)

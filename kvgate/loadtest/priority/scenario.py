@@ -15,10 +15,11 @@ from typing import Any
 
 import aiohttp
 
+from kvgate.loadtest.kit.counters import SAMPLE_INTERVAL_SECONDS as _QUEUE_SAMPLE_SECONDS
 from kvgate.loadtest.kit.counters import ReplicaProbe, SimProbe, VllmProbe, metric_samples, sampling
 from kvgate.loadtest.kit.processes import free_ports, running, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
-from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, running_engines, vllm_python
+from kvgate.loadtest.kit.vllm_engine import EngineSpec, require_vllm_python, running_engines
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
 from kvgate.loadtest.priority.client import (
     INTERACTIVE,
@@ -38,7 +39,6 @@ NO_ADMISSION_FLAGS = ("--saturation-queue", "1000000", "--saturation-seated-queu
                       "--saturation-kv-cache", "1.0", "--admission-reserve", "batch=0", "--admission-preemptible", "")
 _ADMISSION_METRICS = ("kvgate_admission_dispatched", "kvgate_admission_shed", "kvgate_admission_wait_seconds",
                       "kvgate_admission_preempted")
-_QUEUE_SAMPLE_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +178,7 @@ async def _fleet(plan: Plan, name: str, sim: SimOptions, log_dir: Path) -> Async
         async with running(start_sim_fleet(name, plan.replicas, sim, log_dir)) as urls:
             yield urls
         return
-    python = vllm_python()
-    if python is None:
-        raise BadOption(f"--fleet real needs {VLLM_PYTHON_ENV}, an interpreter with vLLM (./dev real makes one)")
-    model_dir = log_dir / "model"
-    if not (model_dir / "tokenizer.json").exists():
-        write_tiny_model(model_dir)
+    python, model_dir = require_vllm_python("--fleet real"), write_tiny_model(log_dir / "model")
     specs = [EngineSpec(port=port, cpu=index % 2, model_dir=model_dir, served_model_name=sim.models[0],
                         max_num_seqs=sim.max_num_seqs, priority_scheduling=sim.priority_scheduling)
              for index, port in enumerate(free_ports(plan.replicas))]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvgate.loadtest.kit.report import publish, utc_now
+from kvgate.loadtest.kit.report import publish, table, utc_now
 from kvgate.loadtest.kit.stats import ms
 from kvgate.loadtest.kit.stream import RequestSample, stream_chat
 from kvgate.loadtest.rolling.fleet import (
@@ -126,6 +126,11 @@ class RunResult:
     warmup_s: float
     restart_window: tuple[float, float]  # when the restart began and ended, relative to the load's start
 
+    @property
+    def failed(self) -> int:
+        """Requests without a 200 and a complete stream."""
+        return sum(1 for s in self.samples if s.error is not None)
+
     def phase(self, name: str) -> list[RequestSample]:
         """Requests that started before (after the warm-up), during or after the restart."""
         began, ended = self.restart_window
@@ -213,18 +218,16 @@ def render_markdown(plan: Plan, results: Sequence[RunResult], command: str, seco
         "A request fails unless it gets 200 and a complete stream ending in `[DONE]`. Retried: kvgate's "
         "`kvgate_retries_total` (requests moved to another replica before any byte reached the client).",
         "",
-        "| scenario | requests | failed | retried | restart s | TTFT p50 / p99 ms before | during | after "
-        "| streams open at shutdown | cut by the replica |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for result in results:
-        failed = sum(1 for s in result.samples if s.error is not None)
-        retried = ", ".join(f"{n} ({cause})" for cause, n in sorted(result.retries.items())) or "0"
         began, ended = result.restart_window
-        lines.append(
-            f"| {result.scenario.title} | {len(result.samples)} | {failed} | {retried} | {ended - began:.1f} "
-            f"| {_ttft(result.phase('before'))} | {_ttft(result.phase('during'))} | {_ttft(result.phase('after'))} "
-            f"| {sum(r.in_flight_at_shutdown for r in result.records)} | {sum(r.aborted for r in result.records)} |")
+        rows.append((result.scenario.title, len(result.samples), result.failed,
+                     ", ".join(f"{n} ({cause})" for cause, n in sorted(result.retries.items())) or "0",
+                     f"{ended - began:.1f}", *(_ttft(result.phase(name)) for name in ("before", "during", "after")),
+                     sum(r.in_flight_at_shutdown for r in result.records), sum(r.aborted for r in result.records)))
+    lines += table(("scenario", "requests", "failed", "retried", "restart s", "TTFT p50 / p99 ms before", "during",
+                    "after", "streams open at shutdown", "cut by the replica"), rows)
     errors = sorted({s.error[:120] for r in results for s in r.samples if s.error is not None})
     if errors:
         lines += ["", "Failures seen:", "", *(f"- `{error}`" for error in errors)]
@@ -244,7 +247,7 @@ def run(options: argparse.Namespace) -> int:
     results = [asyncio.run(run_scenario(plan, scenario)) for scenario in SCENARIOS]
     markdown = render_markdown(plan, results, options.command, time.monotonic() - started)
     report = {"plan": dataclasses.asdict(plan), "scenarios": [
-        {"title": r.scenario.title, "requests": len(r.samples), "failed": sum(s.error is not None for s in r.samples),
-         "retries": r.retries, "restart_window": r.restart_window} for r in results]}
+        {"title": r.scenario.title, "requests": len(r.samples), "failed": r.failed, "retries": r.retries,
+         "restart_window": r.restart_window} for r in results]}
     publish(options.out, "rolling", report, markdown, options.docs)
-    return 0 if all(s.error is None for r in results for s in r.samples) else 1
+    return 1 if any(r.failed for r in results) else 0

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvgate.loadtest.kit.report import BadOption
-from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, vllm_python
+from kvgate.loadtest.kit.vllm_engine import require_vllm_python
 from kvgate.loadtest.routing.scenario import add_arguments, chat_loads, run_loads
 
 __all__ = ["add_arguments", "run"]
@@ -14,9 +13,7 @@ __all__ = ["add_arguments", "run"]
 
 def run(options: argparse.Namespace) -> int:
     """Measure every row on real engines; BadOption when no interpreter with vLLM is set up."""
-    python = vllm_python()
-    if python is None:
-        raise BadOption(f"needs {VLLM_PYTHON_ENV}, an interpreter with vLLM (./dev real makes one)")
+    python = require_vllm_python()
     tokenizer_dir = options.out / "vllm" / "model" if options.precise else None  # where the engines' model is written
     return run_loads(options, chat_loads(options), "Routing benchmark on real vLLM engines", "routing-real-engines",
                      python, tokenizer_dir)

@@ -52,10 +52,7 @@ class EngineSizing:
 
 def engine_sizing(spec: WorkloadSpec, cache_fraction: float, workdir: Path) -> EngineSizing:
     """The engines' sizing for a workload, measured with the tiny model's tokenizer (written under `workdir`)."""
-    model_dir = workdir / "model"
-    if not (model_dir / "tokenizer.json").exists():
-        write_tiny_model(model_dir)
-    return EngineSizing.of(spec, cache_fraction, measured_chars_per_token(model_dir, spec))
+    return EngineSizing.of(spec, cache_fraction, measured_chars_per_token(write_tiny_model(workdir / "model"), spec))
 
 
 @asynccontextmanager
