@@ -9,7 +9,7 @@ import importlib
 import logging
 import shlex
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -72,18 +72,25 @@ def add_knobs(parser: argparse.ArgumentParser, preset: object, helps: dict[str, 
                            help=f"{text} (default {value})")
 
 
-def with_knobs(options: argparse.Namespace, preset: _Preset, names: Iterable[str]) -> _Preset:
-    """The dataclass `preset` with the values of the flags among `names` that were given."""
-    given = {name: getattr(options, name) for name in names if getattr(options, name, None) is not None}
-    return dataclasses.replace(preset, **given)
+def with_knobs(options: argparse.Namespace, preset: _Preset, names: Iterable[str] | Mapping[str, str]) -> _Preset:
+    """The dataclass `preset` with the values of the flags among `names` that were given (a mapping: field -> flag)."""
+    flags = names if isinstance(names, Mapping) else {name: name for name in names}
+    return dataclasses.replace(preset, **{field: getattr(options, flag) for field, flag in flags.items()
+                                          if getattr(options, flag, None) is not None})
 
 
-def external_router(value: str) -> tuple[str, str]:
-    """An --external flag's NAME=COMMAND TEMPLATE."""
+def _external_router(value: str) -> tuple[str, str]:
     name, sep, template = value.partition("=")
     if not sep or not name.strip() or not template.strip():
         raise argparse.ArgumentTypeError("expected NAME=COMMAND TEMPLATE")
     return name.strip(), template.strip()
+
+
+def add_external_argument(parser: argparse.ArgumentParser) -> None:
+    """--external NAME=TEMPLATE (repeatable): another router to measure beside kvgate."""
+    parser.add_argument("--external", type=_external_router, action="append", default=[], metavar="NAME=TEMPLATE",
+                        help="another router's command line (nginx, SGLang's router, ...); {workers} becomes the "
+                             "replica URLs separated by spaces, {port} its listen port (repeatable)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,12 +133,9 @@ def command_line(argv: Sequence[str]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `kvgate bench`."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0].startswith("-"):
-        _parser().parse_args(args)  # --help lists the scenarios; anything else is a usage error
-        return 2
-    chosen = {s.name: s for s in SCENARIOS}.get(args[0])
+    chosen = {s.name: s for s in SCENARIOS}.get(args[0]) if args else None
     if chosen is None:
-        _parser().parse_args(args[:1])
+        _parser().parse_args(args)  # --help lists the scenarios; anything else is a usage error
         return 2
     options = scenario_parser(chosen).parse_args(args[1:])
     if getattr(options, "runs", 1) < 1:
@@ -141,9 +145,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     try:
         return importlib.import_module(chosen.module).run(options)
-    except BadOption as exc:
+    except (BadOption, ProcessError) as exc:
         print(f"kvgate bench {chosen.name}: {exc}", file=sys.stderr)
-        return 2
-    except ProcessError as exc:
-        print(f"kvgate bench {chosen.name}: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, BadOption) else 1

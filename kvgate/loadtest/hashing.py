@@ -50,10 +50,7 @@ def _first_time_microseconds(tokenizer: EngineTokenizer, chars: int, count: int)
 
 
 def _pick_and_record(body: dict[str, Any], tokenizer: EngineTokenizer | None = None) -> Callable[[], object]:
-    """One cache-aware pick plus record against a fleet whose index already holds this prefix.
-
-    With a tokenizer, every replica's state is precise and one replica's events stored the whole prompt.
-    """
+    """One cache-aware pick and record on a fleet whose index holds this prefix (a tokenizer: precisely, on pod-5)."""
     precise = PrecisePrefixIndex() if tokenizer else None
     policy = build_policy("cache-aware", CONFIG, precise)
     fleet = FleetSnapshot(

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 
+from kvgate.loadtest.cli import with_knobs
 from kvgate.loadtest.kit.counters import SimProbe, reset_for_row
 from kvgate.loadtest.kit.envoy import PickerRoute, ensure_envoy, envoy_config, running_envoy
 from kvgate.loadtest.kit.processes import (
@@ -82,8 +83,7 @@ QUICK = Plan(dataclasses.replace(QUICK_WORKLOAD, duration=5.0, conversations=12)
 @asynccontextmanager
 async def routed(row: str, replicas: Sequence[str], envoy: Path, log_dir: Path,
                  flags: Sequence[str] = ()) -> AsyncIterator[tuple[str, list[ChildProcess], list[str]]]:
-    """Start what routes `row` in front of `replicas`, kvgate with `flags`; yields the URL clients use, the kvgate
-    processes and their HTTP URLs."""
+    """What routes `row` in front of `replicas` (kvgate with `flags`): the clients' URL, the kvgates and their URLs."""
     kind = row.removesuffix(PRECISE)
     async with AsyncExitStack() as stack:
         gateways: list[ChildProcess] = []
@@ -187,8 +187,7 @@ async def _cpu_during(gateways: dict[str, list[ChildProcess]], work: Awaitable[_
 
 
 async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, count: int) -> dict[str, Streams]:
-    """`count` streamed chats per target, one at a time, the targets in turn; per target the sorted times to the
-    first body byte and to the end."""
+    """`count` streamed chats per target, one at a time, targets in turn: sorted times to the first byte and the end."""
     body = orjson.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True})
     headers = {"Content-Type": "application/json", CHUNKS_HEADER: str(chunks), INTERVAL_HEADER: str(pacing_ms)}
     times: dict[str, Streams] = {name: ([], []) for name in targets}
@@ -293,9 +292,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(options: argparse.Namespace) -> int:
     """Run both parts; write picker.{json,md} and the docs section, print the tables."""
     plan = QUICK if options.quick else FULL
-    overrides = {"seed": options.seed, "duration": options.duration}
-    plan = dataclasses.replace(plan, workload=dataclasses.replace(
-        plan.workload, **{k: v for k, v in overrides.items() if v is not None}))
+    plan = dataclasses.replace(plan, workload=with_knobs(options, plan.workload, ("seed", "duration")))
     envoy = ensure_envoy(options.envoy_venv.resolve())
     report = asyncio.run(run_picker(plan, options.speed, envoy, options.out, options.command))
     publish(options.out, "picker", report, render_section(report), options.docs)

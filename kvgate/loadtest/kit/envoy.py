@@ -132,12 +132,12 @@ def envoy_config(replica_urls: Sequence[str], picker: PickerRoute | None) -> dic
     }
 
 
+@dataclass(frozen=True)
 class EnvoyProcess:
     """A running Envoy: its listener's base URL and admin URL."""
 
-    def __init__(self, url: str, admin_url: str) -> None:
-        self.url = url
-        self.admin_url = admin_url
+    url: str
+    admin_url: str
 
 
 @contextlib.asynccontextmanager

@@ -144,8 +144,7 @@ class ChildProcess:
                 await asyncio.sleep(_POLL_SECONDS)
 
     async def stop(self, kill: bool = False) -> None:
-        """SIGTERM, then SIGKILL if the child outlives the grace period; with `kill` SIGKILL at once, as the OOM
-        killer or a node failure would."""
+        """SIGTERM, then SIGKILL after the grace period; `kill`: SIGKILL at once (an OOM kill or a node failure)."""
         process, self._process = self._process, None
         if process is None or process.returncode is not None:
             return

@@ -76,8 +76,8 @@ class ChatReply(ChatStream):
         return self.delta_times[0] - self.sent if self.delta_times else None
 
 
-async def post_chat(session: aiohttp.ClientSession, base_url: str, body: bytes, headers: Mapping[str, str] | None = None,
-                    timeout: float | None = None) -> ChatReply:
+async def post_chat(session: aiohttp.ClientSession, base_url: str, body: bytes,
+                    headers: Mapping[str, str] | None = None, timeout: float | None = None) -> ChatReply:
     """Send one chat completion (given up after `timeout` seconds, if given) and read its answer, streamed or whole."""
     loop = asyncio.get_running_loop()
     reply = ChatReply(loop.time)

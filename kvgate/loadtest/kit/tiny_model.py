@@ -60,8 +60,7 @@ def _model_config(vocab_size: int, bos_id: int, eos_id: int) -> dict:
 
 
 def write_tiny_model(directory: Path) -> Path:
-    """Write the model directory (config, tokenizer, chat template) into `directory` unless it holds it already; the
-    same bytes every run."""
+    """Write the model directory (config, tokenizer, chat template) into `directory` once; the same bytes every run."""
     if (directory / "generation_config.json").exists():  # written last
         return directory
     directory.mkdir(parents=True, exist_ok=True)

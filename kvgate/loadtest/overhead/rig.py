@@ -55,8 +55,7 @@ def wrk_available() -> bool:
 
 
 def run_wrk(spec: LoadSpec, cpu: int | None = None) -> LoadResult:
-    """wrk for `duration_s` (whole seconds, at least one) of the spec's closed loop, pinned to `cpu`; the spec's
-    warm-up and `watch` are the caller's business."""
+    """wrk for the spec's closed loop (whole seconds, at least one) pinned to `cpu`; warm-up and `watch` are not its."""
     if spec.rate or spec.max_requests:
         raise ValueError("wrk runs only duration-bound closed loops")
     seconds = max(1, math.ceil(spec.duration_s))
@@ -226,8 +225,7 @@ class Rig:
                 "kvgate_over_stub": round(kvgate_s / stub_s, 2) if stub_s else None}
 
     def profile(self, spec: LoadSpec, py_spy: str, output: Path, generator: str) -> Profile | None:
-        """Sample kvgate with py-spy while the spec's load runs through it; None when py-spy could not sample
-        (e.g. no ptrace permission)."""
+        """kvgate's py-spy profile while the spec's load runs through it; None when py-spy could not sample (ptrace)."""
         spec = dataclasses.replace(spec, url=self.gateway_url, warmup_s=0.0)
         assert self.kvgate.pid is not None, "the rig is stopped"
         command = [py_spy, "record", "--pid", str(self.kvgate.pid), "--duration", str(max(1, round(spec.duration_s))),

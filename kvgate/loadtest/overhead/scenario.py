@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from kvgate.loadtest.cli import with_knobs
 from kvgate.loadtest.kit.report import RunMeta, publish, table
 from kvgate.loadtest.overhead.client import LoadSpec
 from kvgate.loadtest.overhead.rig import py_spy_path, running_rig, wrk_available
@@ -173,9 +174,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(options: argparse.Namespace) -> int:
     """Run the benchmark, write overhead.{json,md} and the docs section, print the Markdown."""
-    plan = QUICK if options.quick else FULL
-    if options.duration is not None:
-        plan = dataclasses.replace(plan, closed_s=options.duration, open_s=options.duration)
+    plan = with_knobs(options, QUICK if options.quick else FULL, {"closed_s": "duration", "open_s": "duration"})
     with tempfile.TemporaryDirectory(prefix="kvgate-overhead-") as scratch:
         report = asyncio.run(run_benchmark(plan, choose_generator(options.client), not options.no_profile,
                                            Path(scratch), options.command))

@@ -11,10 +11,10 @@ from typing import Any
 
 import aiohttp
 
-from kvgate.loadtest.cli import external_router
+from kvgate.loadtest.cli import add_external_argument
 from kvgate.loadtest.kit.processes import running, start_external, start_gateway, start_sim_fleet
 from kvgate.loadtest.kit.report import RunMeta, publish, table
-from kvgate.loadtest.kit.stats import percentile
+from kvgate.loadtest.kit.stats import ms
 from kvgate.loadtest.kit.stream import stream_chat
 from kvgate.simulator import SimOptions
 
@@ -27,9 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The burst's size, the rounds and the routers to compare with."""
     parser.add_argument("--streams", type=int, default=1000, help="streams opened at once")
     parser.add_argument("--rounds", type=int, default=3, help="bursts through each router, in turn")
-    parser.add_argument("--external", type=external_router, action="append", default=[], metavar="NAME=TEMPLATE",
-                        help="another router's command line; {workers} becomes the replica URLs separated by "
-                             "spaces, {port} its listen port (repeatable)")
+    add_external_argument(parser)
 
 
 async def burst(url: str, streams: int, model: str) -> dict[str, Any]:
@@ -41,9 +39,9 @@ async def burst(url: str, streams: int, model: str) -> dict[str, Any]:
             stream_chat(session, url, {"model": model, "messages": [{"role": "user", "content": f"burst {i}"}],
                                        "max_tokens": 16, "stream": True}, start, _TIMEOUT_S)
             for i in range(streams)))
-    ttfts = [sample.ttft * 1000 for sample, _ in results if sample.error is None and sample.ttft is not None]
-    return {"ok": len(ttfts), "failed": streams - len(ttfts),
-            "ttft_p50_ms": round(percentile(ttfts, 50) or 0, 1), "ttft_p99_ms": round(percentile(ttfts, 99) or 0, 1)}
+    ttfts = [sample.ttft for sample, _ in results if sample.error is None and sample.ttft is not None]
+    return {"ok": len(ttfts), "failed": streams - len(ttfts), "ttft_p50_ms": ms(ttfts, 50),
+            "ttft_p99_ms": ms(ttfts, 99)}
 
 
 async def _measure(options: argparse.Namespace) -> dict[str, Any]:

@@ -60,8 +60,7 @@ def output_tokens_max(mean: int) -> int:
 
 
 def request_body(model: str, index: int, prompt_words: int, max_tokens: int, stream: bool = True) -> bytes:
-    """A chat completion whose prompt differs from the first word (no request hits another's cache), of
-    `output_tokens(index, max_tokens)` tokens."""
+    """A chat completion of `output_tokens(index, max_tokens)` tokens, its prompt unlike others' from the first word."""
     words = " ".join(_PROMPT_WORDS[(index + i) % len(_PROMPT_WORDS)] for i in range(prompt_words))
     return orjson.dumps({"model": model, "messages": [{"role": "user", "content": f"request {index}: {words}"}],
                          "max_tokens": output_tokens(index, max_tokens), "stream": stream})

@@ -172,8 +172,7 @@ async def admission_counters(gateway_url: str) -> dict[str, float]:
 
 @asynccontextmanager
 async def _fleet(plan: Plan, name: str, sim: SimOptions, log_dir: Path) -> AsyncIterator[list[str]]:
-    """A fresh fleet of the plan's replicas run with `sim`, its URLs: simulated, or real vLLM engines with its seats,
-    model name and priority scheduling."""
+    """The URLs of a fresh fleet run with `sim`: simulated, or real vLLM engines of its seats, model, scheduling."""
     if not plan.real:
         async with running(start_sim_fleet(name, plan.replicas, sim, log_dir)) as urls:
             yield urls

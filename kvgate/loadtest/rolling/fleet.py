@@ -103,8 +103,7 @@ class RestartableReplica:
             log.info("replica stopped name=%s", self.name)
 
     async def kill(self) -> None:
-        """Die at once: every open connection is dropped mid-response (nothing ends gracefully), then the port
-        closes."""
+        """Die at once: every open connection dropped mid-response (nothing ends gracefully), then the port closed."""
         server = self._runner.server if self._runner is not None else None
         for connection in server.connections if server else ():
             if connection.transport is not None:

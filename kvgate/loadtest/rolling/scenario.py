@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from kvgate.loadtest.cli import with_knobs
 from kvgate.loadtest.kit.report import publish, table, utc_now
 from kvgate.loadtest.kit.stats import ms
 from kvgate.loadtest.kit.stream import RequestSample, stream_chat
@@ -37,8 +38,7 @@ _SYSTEM_PROMPT_CHARS = 800
 
 
 class SteadyLoad:
-    """`concurrency` clients streaming chat completions through `url`, bounded in count and time; they cycle over
-    `tenants` system prompts so a cache-aware gateway spreads them over the fleet."""
+    """`concurrency` clients streaming chats through `url`, bounded in count and time, over `tenants` prompts."""
 
     def __init__(self, url: str, model: str, concurrency: int, max_requests: int, max_seconds: float,
                  max_tokens: int, tenants: int = 16) -> None:
@@ -240,9 +240,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(options: argparse.Namespace) -> int:
     """Run both scenarios, write rolling.{json,md} and the docs section; 1 if any request failed."""
-    plan = QUICK if options.quick else FULL
-    if options.duration is not None:
-        plan = dataclasses.replace(plan, before_s=options.duration)
+    plan = with_knobs(options, QUICK if options.quick else FULL, {"before_s": "duration"})
     started = time.monotonic()
     results = [asyncio.run(run_scenario(plan, scenario)) for scenario in SCENARIOS]
     markdown = render_markdown(plan, results, options.command, time.monotonic() - started)

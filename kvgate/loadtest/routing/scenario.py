@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvgate.loadtest.cli import add_knobs, external_router, with_knobs
+from kvgate.loadtest.cli import add_external_argument, add_knobs, with_knobs
 from kvgate.loadtest.kit.report import BadOption, publish, utc_now
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.routing.client import ChatLoad, Load
@@ -50,9 +50,7 @@ def add_router_arguments(parser: argparse.ArgumentParser, policies: Sequence[str
                         help="kvgate policies to measure besides the round-robin baseline (comma-separated)")
     parser.add_argument("--gateways", type=int, default=3,
                         help="kvgate processes in the multi-gateway cache-aware row (below 2: no such row)")
-    parser.add_argument("--external", type=external_router, action="append", default=[], metavar="NAME=TEMPLATE",
-                        help="another router's command line (nginx, SGLang's router, ...); {workers} becomes the "
-                             "replica URLs separated by spaces, {port} its listen port (repeatable)")
+    add_external_argument(parser)
     parser.add_argument("--peer", help="the --external row kvgate's rows are held to (hit rate, TTFT p99)")
     parser.add_argument("--cache-fraction", type=float, default=0.5,
                         help="share of the distinct prefixes in play (every tenant's system prompt and every open "
@@ -149,8 +147,7 @@ def build_report(settings: BenchSettings, scenarios: Sequence[ScenarioRun], opti
 
 def run_loads(options: argparse.Namespace, loads: Sequence[Load], title: str, section: str,
               vllm_python: str | None = None, tokenizer_dir: Path | None = None) -> int:
-    """Run the rows on every load, write the report (and the docs section); 1 if a row failed (or, --strict, a
-    target was missed)."""
+    """Run every load's rows and write the report; 1 if a row failed (or, with --strict, missed a target)."""
     settings = settings_from(options, loads, vllm_python, tokenizer_dir)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     scenarios = asyncio.run(run_bench(settings, lambda line: print(line, file=sys.stderr, flush=True)))

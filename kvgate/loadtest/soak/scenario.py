@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 
+from kvgate.loadtest.cli import with_knobs
 from kvgate.loadtest.kit.counters import metric_samples, sampling
 from kvgate.loadtest.kit.processes import ChildProcess, base_url, free_ports, start_gateway, start_sim_fleet, stopping
 from kvgate.loadtest.kit.report import BadOption, RunMeta, publish
@@ -108,8 +109,7 @@ async def gateway_counters(url: str) -> dict[str, dict[str, float]]:
 
 
 async def run_soak(plan: SoakPlan, log_dir: Path) -> dict[str, Any]:
-    """A fleet of replicas and kvgate in front of them, the load with its faults, and kvgate sampled throughout;
-    the report as JSON-ready data."""
+    """kvgate in front of a fleet under the load and its faults, kvgate sampled throughout; the report as plain JSON."""
     replicas = [_Replica(plan.sim, log_dir) for _ in range(plan.replicas)]
     try:
         await asyncio.gather(*(replica.start() for replica in replicas))
@@ -159,9 +159,7 @@ def plan_from(options: argparse.Namespace) -> SoakPlan:
         plan = dataclasses.replace(plan, minutes=options.duration / 60, warmup_s=min(plan.warmup_s, options.duration / 3))
     if options.concurrency is not None and options.concurrency < 1:
         raise BadOption("--concurrency must be >= 1")
-    overrides = {"concurrency": options.concurrency, "seed": options.seed}
-    shape = dataclasses.replace(plan.shape, **{k: v for k, v in overrides.items() if v is not None})
-    return dataclasses.replace(plan, shape=shape)
+    return dataclasses.replace(plan, shape=with_knobs(options, plan.shape, ("concurrency", "seed")))
 
 
 def run(options: argparse.Namespace) -> int:
