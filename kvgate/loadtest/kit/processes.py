@@ -12,7 +12,7 @@ import shlex
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
@@ -96,10 +96,12 @@ def process_cpu_seconds(pid: int) -> float:
 class ChildProcess:
     """A started command whose output goes to a log file, ready once an HTTP path answers 200."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, cpu: int | None = None) -> None:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, cpu: int | None = None,
+                 env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
         self.name = name
         self.argv = pinned(argv, cpu)  # taskset execs the command: the pid is the command's own
         self.log_path = log_path
+        self._env, self._cwd = env, cwd
         self._process: asyncio.subprocess.Process | None = None
 
     @property
@@ -117,8 +119,8 @@ class ChildProcess:
         with self.log_path.open("wb") as log_file:
             try:
                 self._process = await asyncio.create_subprocess_exec(
-                    *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT
-                )
+                    *self.argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=asyncio.subprocess.STDOUT,
+                    env=self._env, cwd=self._cwd)
             except OSError as exc:
                 raise ProcessError(f"{self.name} could not start {self.argv[0]!r}: {exc.strerror}") from None
         log.debug("child started name=%s pid=%d argv=%s", self.name, self._process.pid, shlex.join(self.argv))
@@ -142,6 +144,11 @@ class ChildProcess:
                 except (aiohttp.ClientError, TimeoutError):
                     pass
                 await asyncio.sleep(_POLL_SECONDS)
+
+    async def wait(self, timeout: float) -> int:
+        """The child's exit status once it exits; TimeoutError after `timeout` seconds."""
+        assert self._process is not None, f"{self.name} was not started"
+        return await asyncio.wait_for(self._process.wait(), timeout)
 
     async def stop(self, kill: bool = False) -> None:
         """SIGTERM, then SIGKILL after the grace period; `kill`: SIGKILL at once (an OOM kill or a node failure)."""

@@ -1,10 +1,11 @@
 """`kvgate bench inference-perf`: inference-perf's shared_prefix load through each router, run from a venv of its
-own (Python >= 3.12) on the shipped config, its per-request report read back as samples; skips when not installed."""
+own (Python >= 3.12), its per-request report read back as samples; skips when not installed.
+
+Its config by hand: python -m kvgate.loadtest.routing.inference_perf KVGATE_URL TOKENIZER_DIR > config.yaml"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import shutil
@@ -18,7 +19,7 @@ import orjson
 import yaml
 
 from kvgate.loadtest.cli import add_knobs, with_knobs
-from kvgate.loadtest.kit.processes import ProcessError
+from kvgate.loadtest.kit.processes import ChildProcess, ProcessError
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import OnSample
 from kvgate.loadtest.routing.scenario import add_router_arguments, run_loads
@@ -29,7 +30,6 @@ from kvgate.loadtest.routing.workload import Footprint
 SIM_TOKENS_PER_TOOL_TOKEN = 1.5
 _LONGEST_REQUEST_MARGIN = 1.25  # head room over the estimated longest request, for lengths that vary
 _GRACE_SECONDS = 240.0  # its start (torch, the tokenizer) takes a minute or more on a busy machine
-_LOG_TAIL_CHARS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,21 +95,17 @@ async def run_inference_perf(executable: str, spec: SharedPrefixSpec, base_url: 
     work_dir.mkdir(parents=True, exist_ok=True)
     report_dir, config_path, log_path = work_dir / "reports", work_dir / "config.yaml", work_dir / "inference-perf.log"
     config_path.write_text(yaml.safe_dump(inference_perf_config(spec, base_url, tokenizer, report_dir)))
-    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with log_path.open("wb") as log_file:
-        process = await asyncio.create_subprocess_exec(executable, "--config_file", str(config_path), env=env,
-                                                       stdin=asyncio.subprocess.DEVNULL, stdout=log_file,
-                                                       stderr=asyncio.subprocess.STDOUT, cwd=work_dir)
-        try:
-            await asyncio.wait_for(process.wait(), spec.duration + _GRACE_SECONDS)
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-            raise ProcessError(f"inference-perf did not finish within {spec.duration + _GRACE_SECONDS:.0f}s") from None
+    child = ChildProcess("inference-perf", [executable, "--config_file", str(config_path)], log_path, cwd=work_dir,
+                         env=os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    await child.start()
+    try:
+        returncode = await child.wait(spec.duration + _GRACE_SECONDS)
+    except TimeoutError:
+        await child.stop(kill=True)
+        raise ProcessError(f"inference-perf did not finish within {spec.duration + _GRACE_SECONDS:.0f}s") from None
     report = report_dir / "per_request_lifecycle_metrics.json"
-    if process.returncode != 0 or not report.exists():
-        tail = log_path.read_text(errors="replace")[-_LOG_TAIL_CHARS:]
-        raise ProcessError(f"inference-perf exited {process.returncode} without a report:\n{tail}")
+    if returncode != 0 or not report.exists():
+        raise ProcessError(f"inference-perf exited {returncode} without a report:\n{child.log_tail()}")
     return samples_from_report(orjson.loads(report.read_bytes()))
 
 
@@ -194,3 +190,8 @@ def run(options: argparse.Namespace) -> int:
     spec = with_knobs(options, QUICK_SHARED_PREFIX if options.quick else SharedPrefixSpec(), [*_SPEC_HELP, "seed"])
     load = SharedPrefixLoad(spec, executable, tokenizer)
     return run_loads(options, (load,), "inference-perf shared_prefix", "inference-perf")
+
+
+if __name__ == "__main__":
+    config = inference_perf_config(SharedPrefixSpec(), *sys.argv[1:3], Path("inference-perf-reports"))
+    sys.stdout.write(yaml.safe_dump(config))
