@@ -33,7 +33,7 @@ from kvgate.loadtest.kit.processes import (
 from kvgate.loadtest.kit.report import publish, table
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
-from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
+from kvgate.loadtest.kit.stub import stub_headers
 from kvgate.loadtest.kit.tiny_model import write_tiny_model
 from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
 from kvgate.loadtest.routing.client import ConversationDriver
@@ -189,7 +189,7 @@ async def _cpu_during(gateways: dict[str, list[ChildProcess]], work: Awaitable[_
 async def interleaved(targets: dict[str, str], chunks: int, pacing_ms: float, count: int) -> dict[str, Streams]:
     """`count` streamed chats per target, one at a time, targets in turn: sorted times to the first byte and the end."""
     body = orjson.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hello"}], "stream": True})
-    headers = {"Content-Type": "application/json", CHUNKS_HEADER: str(chunks), INTERVAL_HEADER: str(pacing_ms)}
+    headers = stub_headers(chunks, pacing_ms)
     times: dict[str, Streams] = {name: ([], []) for name in targets}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         for _ in range(count):

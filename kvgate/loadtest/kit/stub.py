@@ -19,6 +19,11 @@ INTERVAL_HEADER = "x-bench-chunk-interval-ms"  # pause between two events, as a 
 STREAM_MARKER = b'"stream":true'  # orjson's spelling; the stub never parses the body, which keeps it cheap
 _MAX_BODY_BYTES = 64 * 1024 * 1024
 
+
+def stub_headers(chunks: int, interval_ms: float) -> dict[str, str]:
+    """Headers of a chat request whose streamed answer from a stub has `chunks` events, `interval_ms` apart."""
+    return {"Content-Type": "application/json", CHUNKS_HEADER: str(chunks), INTERVAL_HEADER: str(interval_ms)}
+
 _COMPLETION = orjson.dumps({
     "id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000, "model": DEFAULT_MODEL,
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],

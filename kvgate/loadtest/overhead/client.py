@@ -18,7 +18,7 @@ import uvloop
 from kvgate.loadtest.kit.processes import process_cpu_seconds
 from kvgate.loadtest.kit.stats import ms
 from kvgate.loadtest.kit.stream import CHAT_PATH
-from kvgate.loadtest.kit.stub import CHUNKS_HEADER, INTERVAL_HEADER
+from kvgate.loadtest.kit.stub import stub_headers
 from kvgate.loadtest.kit.vllm_metrics_page import DEFAULT_MODEL
 
 _SYSTEM = "You are a careful assistant. Answer briefly and cite the documents you were given."
@@ -56,8 +56,7 @@ class LoadSpec:
 
     def headers(self) -> dict[str, str]:
         """Request headers, including the stub's streaming knobs (which kvgate forwards unchanged)."""
-        return {"Content-Type": "application/json", CHUNKS_HEADER: str(self.chunks),
-                INTERVAL_HEADER: str(self.chunk_interval_ms)}
+        return stub_headers(self.chunks, self.chunk_interval_ms)
 
     def to_json(self) -> dict:
         """The spec as plain JSON."""

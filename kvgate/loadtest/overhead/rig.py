@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -160,19 +160,23 @@ class Rig:
             return "not pinned (fewer than two usable CPUs)"
         return f"kvgate on CPU {self.gateway_cpu}; stub replicas, load generator and py-spy on CPU {self.other_cpu}"
 
-    def _cpu_seconds(self) -> dict[str, float]:
-        return {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
-                "client": _children_cpu_seconds()}
+    def _charged(self, run: Callable[[], LoadResult]) -> tuple[LoadResult, float, dict[str, float]]:
+        """What `run` returns, its wall time, and the CPU seconds kvgate, the stub and the load generators used."""
+        def cpu() -> dict[str, float]:
+            return {"kvgate": self.kvgate.cpu_seconds(), "stub": self.stub.cpu_seconds(),
+                    "client": _children_cpu_seconds()}
+
+        before, started = cpu(), time.perf_counter()
+        result = run()
+        wall, after = time.perf_counter() - started, cpu()
+        return result, wall, {name: after[name] - before[name] for name in before}
 
     def _wrk(self, spec: LoadSpec) -> LoadResult:
         """A warm-up wrk run, then the measured one with each process's CPU charged over it."""
         if spec.warmup_s:
             run_wrk(dataclasses.replace(spec, duration_s=spec.warmup_s), self.other_cpu)
-        before, started = self._cpu_seconds(), time.perf_counter()
-        result = run_wrk(spec, self.other_cpu)
-        wall, after = time.perf_counter() - started, self._cpu_seconds()
-        return dataclasses.replace(result, busy={name: round((after[name] - before[name]) / wall, 3)
-                                                 for name in before})
+        result, wall, used = self._charged(lambda: run_wrk(spec, self.other_cpu))
+        return dataclasses.replace(result, busy={name: round(seconds / wall, 3) for name, seconds in used.items()})
 
     def _python(self, spec: LoadSpec) -> LoadResult:
         """The Python generator in its own process; it charges CPU over its own measured stretch."""
@@ -212,12 +216,8 @@ class Rig:
     def stream_cpu(self, spec: LoadSpec) -> dict[str, Any]:
         """CPU that kvgate and the stub spent relaying the same streamed chunks (no warm-up: every chunk counts)."""
         spec = dataclasses.replace(spec, url=self.gateway_url, stream=True, warmup_s=0.0)
-        kvgate_before, stub_before = self.kvgate.cpu_seconds(), self.stub.cpu_seconds()
-        started = time.perf_counter()
-        result = self._python(spec)
-        wall, chunks = time.perf_counter() - started, result.requests * spec.chunks
-        kvgate_s = round(self.kvgate.cpu_seconds() - kvgate_before, 3)
-        stub_s = round(self.stub.cpu_seconds() - stub_before, 3)
+        result, wall, used = self._charged(lambda: self._python(spec))
+        chunks, kvgate_s, stub_s = result.requests * spec.chunks, round(used["kvgate"], 3), round(used["stub"], 3)
         return {"chunks": chunks, "wall_s": round(wall, 3), "kvgate_cpu_s": kvgate_s, "stub_cpu_s": stub_s,
                 "errors": result.errors,
                 "kvgate_cpu_s_per_10k_chunks": round(kvgate_s / chunks * 10_000 if chunks else 0.0, 4),
