@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -167,10 +167,8 @@ async def sampling(interval: float, sample: Callable[[], Awaitable[object]]) -> 
 
     async def every_interval() -> None:
         while True:
-            try:
+            with suppress(aiohttp.ClientError, TimeoutError):  # a missed sample leaves a gap in the plot
                 await sample()
-            except (aiohttp.ClientError, TimeoutError):
-                pass  # a missed sample leaves a gap in the plot, not a failed benchmark
             await asyncio.sleep(interval)
 
     task = asyncio.create_task(every_interval())

@@ -13,7 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,20 +145,16 @@ class VllmEngine:
         """SIGKILL every process of the engine's group, those its API server left behind when it exited included."""
         if self.process is None:
             return
-        try:
+        with suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def stop(self, grace: float = 15.0) -> None:
         """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
         if self.process is None:
             return
         self.signal(signal.SIGTERM)
-        try:
+        with suppress(subprocess.TimeoutExpired):
             self.process.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
         self.kill_group()
         self.process.wait(5)
         self.process = None
@@ -172,8 +168,7 @@ class VllmEngine:
     def reset_prefix_cache(self) -> None:
         """Empty the engine's prefix cache (needs VLLM_SERVER_DEV_MODE, which `start` sets)."""
         request = urllib.request.Request(self.url + "/reset_prefix_cache", method="POST")
-        with urllib.request.urlopen(request, timeout=10):
-            pass
+        urllib.request.urlopen(request, timeout=10).close()
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the engine's log."""
