@@ -30,7 +30,7 @@ from kvgate.loadtest.kit.processes import (
     start_sim_fleet,
     start_stub,
 )
-from kvgate.loadtest.kit.report import publish, table
+from kvgate.loadtest.kit.report import publish, table, utc_now
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import CHAT_PATH
 from kvgate.loadtest.kit.stub import stub_headers
@@ -274,7 +274,7 @@ async def run_picker(plan: Plan, speed: float, envoy: Path, out: Path, command: 
     print("cost rows (instant stubs) ...", file=sys.stderr, flush=True)
     cost = await cost_rows(plan, envoy, log_dir)
     version = subprocess.run([str(envoy), "--version"], capture_output=True, text=True, timeout=30).stdout
-    return {"measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
+    return {"measured_at": utc_now(), "command": command,
             "envoy": _release(version),
             "workload": dataclasses.asdict(plan.workload), "replicas": REPLICAS, "policy": POLICY, "speed": speed,
             "serial_requests": plan.serial_requests, "long_stream_chunks": plan.long_stream_chunks,

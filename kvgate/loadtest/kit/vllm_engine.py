@@ -53,7 +53,6 @@ class EngineSpec:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None  # always bound by the engine
     shutdown_timeout: int = 10  # seconds in-flight requests get after SIGTERM
-    extra_args: tuple[str, ...] = ()
 
     def argv(self, python: str) -> list[str]:
         """The command line of this engine."""
@@ -72,7 +71,7 @@ class EngineSpec:
             if self.kv_events_replay_endpoint is not None:
                 events["replay_endpoint"] = self.kv_events_replay_endpoint
             argv += ["--kv-events-config", json.dumps(events)]
-        return argv + list(self.extra_args)
+        return argv
 
 
 @dataclass
