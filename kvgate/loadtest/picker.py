@@ -112,9 +112,8 @@ async def routing_rows(plan: Plan, speed: float, envoy: Path, log_dir: Path) -> 
     conversations = build_conversations(spec)
     tokenizer_dir = write_tiny_model(log_dir / "tiny-model")
     base = SimOptions(speed=speed)
-    options = dataclasses.replace(
-        fleet_options(Footprint.of_chats(spec, base.block_size, REAL_TOKENIZER_CHARS_PER_TOKEN), spec.model, base,
-                      cache_fraction=0.5), tokenizer=str(tokenizer_dir), kv_events=True)
+    options = fleet_options(Footprint.of_chats(spec, base.block_size, REAL_TOKENIZER_CHARS_PER_TOKEN), spec.model, base,
+                            cache_fraction=0.5, tokenizer_dir=tokenizer_dir)
     rows = []
     async with running(start_sim_fleet("sim-fleet", REPLICAS, options, log_dir)) as urls:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:

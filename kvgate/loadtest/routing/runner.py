@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -71,15 +70,11 @@ class BenchSettings:
 
     def fleet_options(self, load: Load) -> SimOptions:
         """Settings of each fleet replica for a load (publishing KV events in precise mode)."""
-        options = fleet_options(self._footprint(load), load.model, self.sim, self.cache_fraction)
-        if self.tokenizer_dir is None:
-            return options
-        return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir), kv_events=True)
+        return fleet_options(self._footprint(load), load.model, self.sim, self.cache_fraction, self.tokenizer_dir)
 
     def oracle_options(self, load: Load) -> SimOptions:
         """Settings of the oracle replica for a load."""
-        options = oracle_options(self._footprint(load), load.model, self.sim)
-        return dataclasses.replace(options, tokenizer=str(self.tokenizer_dir)) if self.tokenizer_dir else options
+        return oracle_options(self._footprint(load), load.model, self.sim, self.tokenizer_dir)
 
     def _footprint(self, load: Load) -> Footprint:
         return load.footprint(self.sim.block_size,

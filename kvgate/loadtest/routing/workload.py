@@ -7,6 +7,7 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kvgate.simulator import SimOptions
 
@@ -195,21 +196,26 @@ class Footprint:
         return math.ceil(self.longest_request_tokens / block_size) * block_size
 
 
-def fleet_options(footprint: Footprint, model: str, base: SimOptions, cache_fraction: float) -> SimOptions:
+def fleet_options(footprint: Footprint, model: str, base: SimOptions, cache_fraction: float,
+                  tokenizer_dir: Path | None = None) -> SimOptions:
     """Replica settings whose KV cache holds `cache_fraction` of the distinct prefixes in play (at one half, a
     router that keeps each tenant and conversation on one of three replicas finds its prefixes cached, while one
-    that spreads every tenant everywhere keeps evicting them)."""
+    that spreads every tenant everywhere keeps evicting them); with `tokenizer_dir`, publishing KV events."""
     model_len = footprint.model_len(base.block_size)
     blocks = max(math.ceil(cache_fraction * footprint.in_play_blocks), model_len // base.block_size)
-    return dataclasses.replace(base, models=(model,), num_gpu_blocks=blocks, max_model_len=model_len,
-                               max_num_seqs=max(base.max_num_seqs, footprint.open_requests))
+    options = dataclasses.replace(base, models=(model,), num_gpu_blocks=blocks, max_model_len=model_len,
+                                  max_num_seqs=max(base.max_num_seqs, footprint.open_requests))
+    if tokenizer_dir is None:
+        return options
+    return dataclasses.replace(options, tokenizer=str(tokenizer_dir), kv_events=True)
 
 
-def oracle_options(footprint: Footprint, model: str, base: SimOptions) -> SimOptions:
+def oracle_options(footprint: Footprint, model: str, base: SimOptions, tokenizer_dir: Path | None = None) -> SimOptions:
     """One replica that never evicts a prefix (twice the bound) and never queues for a seat: the hit-rate ceiling."""
-    return dataclasses.replace(base, models=(model,), num_gpu_blocks=2 * footprint.whole_blocks,
-                               max_model_len=footprint.model_len(base.block_size),
-                               max_num_seqs=2 * footprint.open_requests)
+    options = dataclasses.replace(base, models=(model,), num_gpu_blocks=2 * footprint.whole_blocks,
+                                  max_model_len=footprint.model_len(base.block_size),
+                                  max_num_seqs=2 * footprint.open_requests)
+    return options if tokenizer_dir is None else dataclasses.replace(options, tokenizer=str(tokenizer_dir))
 
 
 def pressure_oracle_options(fleet: SimOptions, replicas: int) -> SimOptions:
