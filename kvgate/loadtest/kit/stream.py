@@ -95,8 +95,6 @@ async def post_chat(session: aiohttp.ClientSession, base_url: str, body: bytes,
             else:
                 async for line in response.content:
                     reply.feed(line)
-                    if reply.error is not None:
-                        break
                 reply.finish()
     except (aiohttp.ClientError, OSError, orjson.JSONDecodeError) as exc:
         reply.error, reply.raised = f"{type(exc).__name__}: {str(exc)[:_ERROR_TEXT_CHARS]}", True
