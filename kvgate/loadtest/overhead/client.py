@@ -146,10 +146,7 @@ async def _cpu_seconds_after(delay_s: float, spec: LoadSpec) -> dict[str, float]
 async def _open_loop(rate: float, start: float, end: float, send: Callable[[float], Awaitable[None]]) -> None:
     """`send(scheduled)` at `rate` per second from `start` until `end`, whatever the answers do."""
     tasks = []
-    for n in itertools.count():
-        scheduled = start + n / rate
-        if scheduled >= end:
-            break
+    for scheduled in itertools.takewhile(lambda at: at < end, (start + n / rate for n in itertools.count())):
         await asyncio.sleep(max(0.0, scheduled - time.perf_counter()))
         tasks.append(asyncio.create_task(send(scheduled)))
     await asyncio.gather(*tasks)

@@ -155,12 +155,8 @@ async def serving_gateway(discovery: ControlledDiscovery, urls: Sequence[str]) -
 
 def retries_by_cause(gateway: Gateway) -> dict[str, int]:
     """The gateway's kvgate_retries_total, by cause."""
-    counts: dict[str, int] = {}
-    for family in gateway.metrics.registry.collect():
-        for sample in family.samples:
-            if sample.name == "kvgate_retries_total":
-                counts[sample.labels["cause"]] = int(sample.value)
-    return counts
+    return {sample.labels["cause"]: int(sample.value) for family in gateway.metrics.registry.collect()
+            for sample in family.samples if sample.name == "kvgate_retries_total"}
 
 
 async def run_scenario(plan: Plan, scenario: Scenario) -> RunResult:
