@@ -6,6 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
+import yaml
+
+import kvgate.loadtest
 from kvgate.loadtest.kit.processes import external_argv, sim_flags
 from kvgate.loadtest.kit.stats import percentile
 from kvgate.loadtest.kit.stream import RequestSample
@@ -261,3 +264,10 @@ def test_inference_perf_runs_its_own_config_and_its_records_become_samples(tmp_p
     assert failed.ttft is None and failed.error == "HTTP 503" and abs(failed.start - 0.2) < 1e-9
     footprint = SharedPrefixLoad(spec, "inference-perf", "/tok").footprint(16, 4.0)
     assert 0 < footprint.in_play_blocks < footprint.whole_blocks and footprint.open_requests == 10
+
+
+def test_the_shipped_inference_perf_example_is_the_benchmarks_own_config() -> None:
+    example = yaml.safe_load((Path(kvgate.loadtest.__file__).parent / "inference-perf-shared-prefix.yaml").read_text())
+    server, tokenizer = example["server"]["base_url"], example["tokenizer"]["pretrained_model_name_or_path"]
+    reports = Path(example["storage"]["local_storage"]["path"])
+    assert example == inference_perf_config(SharedPrefixSpec(), server, tokenizer, reports)

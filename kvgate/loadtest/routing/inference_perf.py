@@ -190,8 +190,3 @@ def run(options: argparse.Namespace) -> int:
     spec = with_knobs(options, QUICK_SHARED_PREFIX if options.quick else SharedPrefixSpec(), [*_SPEC_HELP, "seed"])
     load = SharedPrefixLoad(spec, executable, tokenizer)
     return run_loads(options, (load,), "inference-perf shared_prefix", "inference-perf")
-
-
-if __name__ == "__main__":
-    config = inference_perf_config(SharedPrefixSpec(), *sys.argv[1:3], Path("inference-perf-reports"))
-    sys.stdout.write(yaml.safe_dump(config))
