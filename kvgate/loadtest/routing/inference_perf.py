@@ -1,7 +1,7 @@
 """`kvgate bench inference-perf`: inference-perf's shared_prefix load through each router, run from a venv of its
 own (Python >= 3.12), its per-request report read back as samples; skips when not installed.
 
-Its config by hand: python -m kvgate.loadtest.routing.inference_perf KVGATE_URL TOKENIZER_DIR > config.yaml"""
+Its config by hand: kvgate/loadtest/inference-perf-shared-prefix.yaml (a test keeps it equal to this one's)."""
 
 from __future__ import annotations
 
