@@ -110,8 +110,12 @@ class Plan:
 
     @property
     def drain_cap_s(self) -> float:
-        """How long a run waits for open requests after its last send: the backlog's drain time, with margin."""
-        return 1.5 * self.overload_s * (self.overload_factor - 1) + 10
+        """How long a run waits for open requests after its last send: the backlog's drain time, with margin.
+
+        The backlog is what the flood sent beyond the probed capacity; real engines drain it at 0.6-0.75x the
+        probe's rate (the probe's closed loop keeps their seats fuller) and a probe can read high, so the margin
+        is three times the backlog's time at the probed rate."""
+        return 3.0 * self.overload_s * (self.overload_factor - 1) + 10
 
     def _full_batch_step_s(self) -> float:
         """Seconds of one decode step with every seat busy, from the simulator's timing model."""
