@@ -35,6 +35,15 @@ async def engine_samples(session: aiohttp.ClientSession, engine: VllmEngine) -> 
     return totals
 
 
+async def engine_shows(session: aiohttp.ClientSession, engine: VllmEngine, gauge: str, at_least: float,
+                       timeout: float = 30.0) -> None:
+    """Poll the engine's /metrics until `gauge` reads at least `at_least`; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (await engine_samples(session, engine)).get(gauge, 0.0) < at_least:
+        assert time.monotonic() < deadline, f"{gauge} stayed under {at_least} for {timeout} s"
+        await asyncio.sleep(0.02)
+
+
 async def prefix_hits(session: aiohttp.ClientSession, engines: list[VllmEngine]) -> tuple[float, float]:
     """vLLM's prefix cache hits and queries (tokens), summed over the engines."""
     samples = [await engine_samples(session, engine) for engine in engines]
@@ -189,10 +198,10 @@ async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engine
     """Four seats taken by long batch answers, four short batch requests behind them, then one interactive request:
     vLLM, scheduling by the priority kvgate set, answers the interactive one ahead of the queued batch ones.
 
-    Everything is sent within a fraction of a second while the four long answers (1,000 to 1,600 tokens, 41 of the
-    48 KV blocks) hold the seats, so the queue forms inside vLLM (kvgate is told of 1,000 seats and holds nothing back).
-    Polling /metrics for the queue proved unreliable: on an idle machine the tiny model finishes before a poll.
-    Order is read from when each 8-token answer ends, which vLLM's event coalescing cannot reorder.
+    The four long answers (1,000 to 1,600 tokens, 41 of the 48 KV blocks) hold the seats for seconds, so the queue
+    forms inside vLLM (kvgate is told of 1,000 seats and holds nothing back). Each step waits until the engine's
+    own gauges show the previous one (a CPU-starved engine in CI took the short requests in before all four long
+    ones had reached it when the steps were timed by sleeps). Order is read from when each 8-token answer ends.
     """
     engine = fresh_engines[0]
     async with running_gateway(endpoints=[engine.url], upstream_priority=True,
@@ -214,9 +223,9 @@ async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engine
 
         # Lengths apart, so that seats free one at a time and the first one decides who goes next.
         tasks = [asyncio.create_task(stream(f"run{i}", "batch", 1000 + 200 * i)) for i in range(4)]
-        await asyncio.sleep(0.2)  # the long answers take the seats
+        await engine_shows(session, engine, "vllm:num_requests_running", 4)  # the long answers take the seats
         tasks += [asyncio.create_task(stream(f"queued{i}", "batch", 8)) for i in range(4)]
-        await asyncio.sleep(0.1)  # the short batch requests arrive first
+        await engine_shows(session, engine, "vllm:num_requests_waiting", 4)  # the short batch requests arrive first
         tasks.append(asyncio.create_task(stream("interactive", "interactive", 8)))
         await asyncio.gather(*tasks)
     assert set(statuses.values()) == {200}, statuses
