@@ -200,8 +200,9 @@ async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engine
 
     The four long answers (1,000 to 1,600 tokens, 41 of the 48 KV blocks) hold the seats for seconds, so the queue
     forms inside vLLM (kvgate is told of 1,000 seats and holds nothing back). Each step waits until the engine's
-    own gauges show the previous one (a CPU-starved engine in CI took the short requests in before all four long
-    ones had reached it when the steps were timed by sleeps). Order is read from when each 8-token answer ends.
+    own gauges show the previous one (timed by sleeps, the test failed in CI on a CPU-starved engine, most likely
+    because the short requests reached it before all four long ones). Order is read from when each 8-token answer
+    ends.
     """
     engine = fresh_engines[0]
     async with running_gateway(endpoints=[engine.url], upstream_priority=True,
