@@ -145,6 +145,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
     try:
         return importlib.import_module(chosen.module).run(options)
-    except (BadOption, ProcessError) as exc:
+    except BadOption as exc:
         print(f"kvgate bench {chosen.name}: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, BadOption) else 1
+        return 2
+    except ProcessError as exc:
+        print(f"kvgate bench {chosen.name}: {exc}", file=sys.stderr)
+        return 1
