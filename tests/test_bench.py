@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 
 import kvgate.loadtest
@@ -64,6 +65,15 @@ def test_conversations_are_deterministic_and_zipf_favours_the_first_tenant() -> 
     assert len({text for texts in prompts.values() for text in texts}) == len(prompts)
     uniform = [c.tenant for c in build_conversations(spec.with_skew("uniform"))]
     assert max(uniform.count(t) for t in range(8)) < 2 * min(uniform.count(t) for t in range(8))
+
+
+def test_a_workload_may_have_no_system_prompts_but_not_a_token_sized_one() -> None:
+    spec = WorkloadSpec(tenants=4, system_prompt_chars=0, conversations=20)
+    assert {conversation.system_prompt for conversation in build_conversations(spec)} == {""}
+    assert PrefixFootprint.of(spec, 16).system_prompt_blocks == 0
+    assert "no system prompts" in ChatLoad("chat-bare", spec).describe()
+    with pytest.raises(ValueError, match="system_prompt_chars must be 0"):
+        WorkloadSpec(system_prompt_chars=50)
 
 
 def test_fleet_cache_holds_half_the_prefixes_in_play_and_the_oracle_all_prefixes() -> None:

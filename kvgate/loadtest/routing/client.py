@@ -35,7 +35,7 @@ class _OpenChat:
 
     def __init__(self, conversation: Conversation) -> None:
         self.conversation = conversation
-        self.messages = [{"role": "system", "content": conversation.system_prompt}]
+        self.messages = [{"role": "system", "content": conversation.system_prompt}] if conversation.system_prompt else []
         self.turn = 0
 
     @property
@@ -160,8 +160,9 @@ class ChatLoad:
         popularity = f"Zipf-skewed popularity (s={spec.zipf_s})" if self.skewed else "uniform popularity"
         arrivals = (f"Poisson arrivals at {spec.rate:g} req/s, {spec.concurrency} conversations open at once"
                     if spec.rate else f"{spec.concurrency} concurrent users")
-        return (f"{spec.tenants} tenants, {popularity}, each with a {spec.system_prompt_chars}-character system "
-                f"prompt; {spec.conversations} conversations of {spec.turns} streamed turns (~{spec.user_chars} "
+        prompts = (f"each with a {spec.system_prompt_chars}-character system prompt" if spec.system_prompt_chars
+                   else "no system prompts")
+        return (f"{spec.tenants} tenants, {popularity}, {prompts}; {spec.conversations} conversations of {spec.turns} streamed turns (~{spec.user_chars} "
                 f"characters each, max_tokens {spec.max_tokens}), {arrivals}, seed {spec.seed}, capped at "
                 f"{spec.duration:.0f} s per row.")
 

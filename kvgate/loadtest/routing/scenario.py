@@ -31,7 +31,7 @@ from kvgate.simulator import SimOptions
 DEFAULT_POLICIES = ("cache-aware", "prefix-hash", "least-load")
 _WORKLOAD_HELP = {
     "tenants": "tenants, each with its own shared system prompt",
-    "system_prompt_chars": "characters of each tenant's system prompt",
+    "system_prompt_chars": "characters of each tenant's system prompt (0: chats without one)",
     "conversations": "conversations per row",
     "turns": "streamed turns per conversation",
     "user_chars": "mean characters of a user message",

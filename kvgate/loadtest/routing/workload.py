@@ -41,7 +41,9 @@ def _words(rng: random.Random, chars: int) -> str:
 
 
 def system_prompt(tenant: int, chars: int) -> str:
-    """The shared system prompt of one tenant: the same text for a tenant on every call."""
+    """The shared system prompt of one tenant: the same text for a tenant on every call; none when `chars` is 0."""
+    if not chars:
+        return ""
     opening = f"You are the support assistant of tenant {tenant:04d}. Follow the handbook below.\n"
     return opening + _words(random.Random(f"tenant-{tenant}"), max(0, chars - len(opening)))
 
@@ -86,8 +88,8 @@ class WorkloadSpec:
             for name in ("tenants", "conversations", "turns", "user_chars", "max_tokens", "concurrency")
             if getattr(self, name) < 1
         ]
-        if self.system_prompt_chars < 100:
-            problems.append(f"system_prompt_chars must be >= 100, got {self.system_prompt_chars}")
+        if self.system_prompt_chars and self.system_prompt_chars < 100:
+            problems.append(f"system_prompt_chars must be 0 (no system prompt) or >= 100, got {self.system_prompt_chars}")
         if self.duration <= 0:
             problems.append(f"duration must be > 0, got {self.duration}")
         if self.rate < 0:
@@ -117,7 +119,7 @@ QUICK_CHATS = replace(QUICK_WORKLOAD, rate=12.0)
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """One scripted chat: a tenant's system prompt and the user's message for each turn."""
+    """One scripted chat: a tenant's system prompt (or none: "") and the user's message for each turn."""
 
     index: int
     tenant: int
@@ -155,7 +157,7 @@ class PrefixFootprint:
     def of(cls, spec: WorkloadSpec, block_size: int, chars_per_token: float = CHARS_PER_TOKEN) -> PrefixFootprint:
         """Estimates from the workload's sizes at `chars_per_token` (the simulator's own: four)."""
         template = 2 * _TEMPLATE_CHARS_PER_MESSAGE
-        system_chars = spec.system_prompt_chars + template
+        system_chars = spec.system_prompt_chars + template if spec.system_prompt_chars else 0
         typical_turn = spec.user_chars + spec.max_tokens * _MEAN_REPLY_CHARS_PER_TOKEN + template
         longest_turn = spec.user_chars * 3 // 2 + spec.max_tokens * _MAX_REPLY_CHARS_PER_TOKEN + template
 
