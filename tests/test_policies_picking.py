@@ -442,3 +442,29 @@ def test_the_hot_spot_bound_ignores_poisson_noise_at_low_load_but_not_a_pile_up(
     assert len(hot_spot.filter(cycle, burst)) == 3
     pile_up = [state("a", 20), state("b", 2), state("c", 2)]
     assert [s.key for s in hot_spot.filter(cycle, pile_up)] == ["b", "c"]
+
+
+def chat_of(*turns: str, system: str | None = None) -> RequestInfo:
+    roles = ("user", "assistant")
+    messages = [{"role": roles[position % 2], "content": text} for position, text in enumerate(turns)]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    return build_request_info("chat", {"model": "m", "messages": messages}, "interactive", CONFIG)
+
+
+@pytest.mark.parametrize("blocks", [2, 5, 12])  # a first message shorter than, about, and longer than the affinity
+def test_a_conversation_without_a_system_prompt_stays_where_its_first_turn_went(blocks: int) -> None:
+    fleet = idle_fleet(KEYS[:3])
+    gateway, other_gateway = build_policy("cache-aware", CONFIG), build_policy("cache-aware", CONFIG)
+    placed_home = 0
+    for i in range(30):
+        question = prompt(f"question {i}", blocks)
+        turn1 = chat_of(question)
+        decision = gateway.pick(turn1, fleet)
+        gateway.record(turn1, decision.endpoint)
+        turn2 = chat_of(question, prompt("an answer", 6), "a follow-up")
+        assert gateway.pick(turn2, fleet).endpoint.key == decision.endpoint.key  # its first turn is cached there
+        if decision.reason == "cold":  # placed at its home, not spilled by this gateway's own counts
+            placed_home += 1
+            assert other_gateway.pick(turn2, fleet).endpoint == decision.endpoint  # one that never saw turn 1 agrees
+    assert placed_home >= 20

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
 import pytest
 
 from kvgate.policies import KINDS, RoutingConfig, block_hashes, build_request_info, prompt_parts
@@ -184,7 +185,7 @@ def test_build_request_info_fills_every_field() -> None:
     assert build_request_info("completion", {**body, "stream": "yes"}, "batch", CONFIG).stream is False
 
 
-def test_a_chats_anchor_is_the_full_blocks_of_its_first_message() -> None:
+def test_a_chats_anchor_is_the_full_blocks_of_its_instructions_and_its_opening_ends_its_first_own_turn() -> None:
     system = {"role": "system", "content": text_of(10.5)}
     turns = [{"role": "user", "content": text_of(3, "u")}, {"role": "assistant", "content": "ok"},
              {"role": "user", "content": text_of(2, "v")}]
@@ -199,6 +200,18 @@ def test_a_chats_anchor_is_the_full_blocks_of_its_first_message() -> None:
     capped = build_request_info("chat", chat([{"role": "system", "content": text_of(300)}, turns[0]]), "batch",
                                 CONFIG)
     assert capped.anchor_blocks == len(capped.block_hashes) == CONFIG.max_blocks  # never past what was hashed
+    # Without instructions the first user turn is the conversation's own: no anchor, and every turn's opening
+    # ends where the first turn's prompt does.
+    alone_turn = build_request_info("chat", chat(turns[:1]), "interactive", CONFIG)
+    untended = build_request_info("chat", chat(turns), "interactive", CONFIG)
+    assert alone_turn.anchor_blocks == untended.anchor_blocks == 0
+    assert alone_turn.opening_blocks == untended.opening_blocks == len(alone_turn.block_hashes) == 3
+    developer = build_request_info("chat", chat([{**system, "role": "developer"}, *turns]), "interactive", CONFIG)
+    assert developer.anchor_blocks == 10  # the developer role is the newer name of the system one
+    tools = [{"type": "function", "function": {"name": "lookup", "description": text_of(4)}}]
+    with_tools = build_request_info("chat", {**chat(turns), "tools": tools}, "interactive", CONFIG)
+    tool_bytes = len(orjson.dumps(tools, option=orjson.OPT_SORT_KEYS))
+    assert with_tools.anchor_blocks == tool_bytes // BLOCK > 0  # tools are instructions a tenant's chats share
 
 
 def test_unknown_kind_is_a_programming_error() -> None:

@@ -6,7 +6,7 @@ tokens it does not hold, plus queueing behind what it runs and waits for. Cache 
 feed the same decision.
 
 1. Context: the part of the prompt no choice gains from is what every candidate holds, or the request's
-   anchor (a chat's first message, usually its system prompt), which placement already follows. A
+   anchor (a chat's instructions: its system prompt and tools), which placement already follows. A
    request some replica holds more of than that (a conversation's earlier turns, say) continues where it
    is cheapest: only a hot spot (load over `hot_spot_bound` x the mean) is ruled out, so a replica a few
    requests over the mean keeps a conversation whose re-prefill would cost more than its queue.
@@ -20,7 +20,8 @@ feed the same decision.
    replica that holds its system prompt. The key is the chained hash at the end of the anchor (every gateway
    sends a tenant's new conversations to one home, whatever it has seen) or, without one,
    `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
-   spread by what follows it). A busy home thus spills to the next replica in the prefix's own rendezvous
+   spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
+   where the first did, on every gateway). A busy home thus spills to the next replica in the prefix's own rendezvous
    order, which then holds it too: overflow concentrates on a few replicas instead of spraying the fleet.
 Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the
 rendezvous home, nobody holding more), "overflow" (load moved it off either), "fallback" (every
@@ -85,6 +86,8 @@ class CacheAwarePolicy:
         everywhere = min(matched.values())
         shared = max(everywhere, round(request.anchor_blocks * per_block))
         depth = request.anchor_blocks or int(everywhere / per_block) + self._config.affinity_blocks
+        if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
+            depth = min(depth, request.opening_blocks)
         key = placement_key(request, depth)
         if any(tokens > shared for tokens in matched.values()):
             cycle, profile = Cycle(request, key, matched), self._continuation

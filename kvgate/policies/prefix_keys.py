@@ -14,9 +14,12 @@ hash of all its bytes, so that short prompts still spread by content.
 Only the first `max_blocks` blocks are serialized and hashed, so the cost is bounded by
 `max_blocks * block_chars` bytes whatever the prompt's size.
 
-A chat request with more than one message also gets its anchor: the full blocks inside its first
-message (tools included), usually the system prompt its tenant's conversations share, or else the
-first user turn that every later turn of the conversation repeats. Cold placement keys on it.
+A chat request also gets its anchor: the full blocks of its instructions (tool definitions and the
+leading system or developer messages), which its tenant's conversations share, when a conversation's
+own messages follow them. Cold placement keys on it. A chat without instructions has no anchor: its
+first user turn is the conversation's own context, cached where that turn went; its opening (the full
+blocks up to that turn's end) bounds how deep its placement key may reach, so that every later turn
+keys where the first did.
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ from kvgate.policies.types import DEFAULT_FLOW, RequestInfo
 
 
 
-class _Anchor:
-    """Marks the end of a chat's first message among its prompt parts; serializes to nothing."""
+class _Mark:
+    """Marks a position among a prompt's parts (the end of a chat's instructions, of its first own message);
+    serializes to nothing."""
 
 
-_ANCHOR = _Anchor()
-PromptPart = str | bytes | list[Any] | _Anchor  # text, pre-serialized bytes, token ids, or the anchor mark
+_ANCHOR = _Mark()
+_OPENING = _Mark()
+PromptPart = str | bytes | list[Any] | _Mark  # text, pre-serialized bytes, token ids, or a mark
 KINDS = ("chat", "completion", "embedding")
+INSTRUCTION_ROLES = ("system", "developer")  # a chat's leading messages of these roles are its instructions
 TOKEN_BYTES = 4
 _SEPARATOR = "\x1e"  # between messages and between the prompts of a batch
 _FIELD_SEPARATOR = "\x1f"  # between a message's role, content and other fields
@@ -82,7 +88,8 @@ def build_request_info(
         model=model,
         priority_class=priority_class,
         block_hashes=prompt.hashes,
-        anchor_blocks=prompt.anchor_bytes // config.block_chars,
+        anchor_blocks=prompt.marks.get(_ANCHOR, 0) // config.block_chars,
+        opening_blocks=prompt.marks.get(_OPENING, 0) // config.block_chars,
         prompt_chars=prompt.size,
         stream=body.get("stream") is True,
         body_bytes=body_bytes,
@@ -110,26 +117,26 @@ def prefix_seed(model: str, cache_salt: object = None) -> int:
 class _HashedPrompt(NamedTuple):
     hashes: tuple[int, ...]
     size: int  # of the whole serialized prompt, text in characters
-    anchor_bytes: int  # serialized bytes up to the anchor mark (0 without one), within the hashed bytes
+    marks: dict[_Mark, int]  # serialized bytes before each mark the prompt has, within the hashed bytes
 
 
 def _hash_prompt(model: str, body: dict[str, Any], kind: str, config: RoutingConfig) -> _HashedPrompt:
-    """Block hashes, total serialized size and anchor of the prompt."""
-    data, size, anchor = _leading_bytes(prompt_parts(kind, body), config.max_blocks * config.block_chars)
+    """Block hashes, total serialized size and marks of the prompt."""
+    data, size, marks = _leading_bytes(prompt_parts(kind, body), config.max_blocks * config.block_chars)
     return _HashedPrompt(chain_hashes(data, prefix_seed(model, body.get("cache_salt")), config.block_chars), size,
-                         min(anchor, len(data)))
+                         {mark: min(position, len(data)) for mark, position in marks.items()})
 
 
-def _leading_bytes(parts: Iterator[PromptPart], limit: int) -> tuple[bytes, int, int]:
+def _leading_bytes(parts: Iterator[PromptPart], limit: int) -> tuple[bytes, int, dict[_Mark, int]]:
     """The first `limit` bytes of the serialized parts, the size of them all (text in characters) and the
-    number of bytes before the anchor mark (0 when there is none)."""
+    number of bytes before each mark."""
     pieces: list[bytes] = []
     kept = 0
     size = 0
-    anchor = 0
+    marks: dict[_Mark, int] = {}
     for part in parts:
-        if isinstance(part, _Anchor):
-            anchor = kept
+        if isinstance(part, _Mark):
+            marks[part] = kept
             continue
         if isinstance(part, list):
             size += len(part) * TOKEN_BYTES
@@ -139,7 +146,7 @@ def _leading_bytes(parts: Iterator[PromptPart], limit: int) -> tuple[bytes, int,
             piece = _serialize(part, limit - kept)
             pieces.append(piece)
             kept += len(piece)
-    return b"".join(pieces)[:limit], size, anchor
+    return b"".join(pieces)[:limit], size, marks
 
 
 def _serialize(part: PromptPart, room: int) -> bytes:
@@ -190,10 +197,12 @@ def _chat_parts(body: dict[str, Any]) -> Iterator[PromptPart]:
     tools = body.get("tools")
     if tools:
         yield _stable_json(tools)
-    for position, message in enumerate(_dicts_in(body.get("messages"))):
-        if position == 1:
-            yield _ANCHOR
+    opened = False
+    for message in _dicts_in(body.get("messages")):
         role = message.get("role")
+        first_own = not opened and role not in INSTRUCTION_ROLES
+        if first_own:
+            yield _ANCHOR  # the instructions end where the conversation's own messages begin
         yield _SEPARATOR
         yield role if isinstance(role, str) else ""
         yield _FIELD_SEPARATOR
@@ -202,6 +211,9 @@ def _chat_parts(body: dict[str, Any]) -> Iterator[PromptPart]:
         if others:
             yield _FIELD_SEPARATOR
             yield _stable_json(others)
+        if first_own:
+            yield _OPENING  # and its first own message ends here: every later turn repeats it
+            opened = True
 
 
 def _content_parts(content: object) -> Iterator[PromptPart]:

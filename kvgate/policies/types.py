@@ -18,7 +18,8 @@ class RequestInfo:
     model: str
     priority_class: str = "interactive"
     block_hashes: tuple[int, ...] = ()  # chained xxhash64 of the prompt's fixed-size blocks
-    anchor_blocks: int = 0  # full blocks inside the first message when more follow: what a chat's turns share
+    anchor_blocks: int = 0  # full blocks of a chat's instructions (tools, system prompt): what its tenant shares
+    opening_blocks: int = 0  # full blocks up to the end of a chat's first own message: what its later turns repeat
     prompt_chars: int = 0
     stream: bool = False
     body_bytes: int = 0
