@@ -13,18 +13,19 @@ feed the same decision.
 2. Placement: a request no replica holds more of than that goes to the cheapest replica whose share of
    recent requests is under the bounded-load cap (CHWBL on shares over a few hundred requests,
    policies/balance.py: noise does not trip it, skewed popularity does), that is no hot spot, with a free
-   seat when one exists; its prefill counts the same everywhere (which replicas hold the anchor is one
-   gateway's history, and gateways must agree), so the cost is the queue, and equal costs go in the rendezvous
-   order of its placement key. Where every candidate's KV events flow, which replicas hold the anchor is every
-   gateway's truth: its prefill then counts where it is not held, so a hot tenant's new conversation goes to a
-   replica that holds its system prompt. The key is the chained hash at the end of the anchor (every gateway
-   sends a tenant's new conversations to one home, whatever it has seen) or, without one,
+   seat when one exists. Which replicas hold the anchor by a gateway's own index is that gateway's history,
+   and gateways must agree: instead a busy tenant's assigned home (policies/tenants.py, a map every gateway
+   computes alike) is taken to hold it, and equal costs go to that home, then in the rendezvous order of the
+   placement key. Where every candidate's KV events flow, which replicas hold the anchor is every gateway's
+   truth: its prefill then counts where it is not held. The key is the chained hash at the end of the anchor
+   (every gateway sends a tenant's new conversations to one home, whatever it has seen) or, without one,
    `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
    spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
-   where the first did, on every gateway). A busy home thus spills to the next replica in the prefix's own rendezvous
-   order, which then holds it too: overflow concentrates on a few replicas instead of spraying the fleet.
+   where the first did, on every gateway). A busy home spills to the next replica in the key's own
+   rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of spraying
+   the fleet.
 Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the
-rendezvous home, nobody holding more), "overflow" (load moved it off either), "fallback" (every
+assigned or rendezvous home, nobody holding more), "overflow" (load moved it off either), "fallback" (every
 candidate was over its cap: the least loaded).
 
 Where a replica's KV events flow (a PrecisePrefixIndex that knows its state) its match is the truth: the
@@ -42,6 +43,7 @@ from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.prefix_index import PrefixIndex, index_capacity_blocks
 from kvgate.policies.profile import continuation_profile, placement_profile
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
+from kvgate.policies.tenants import TenantPlacement
 from kvgate.policies.types import Decision, RequestInfo
 
 
@@ -56,6 +58,7 @@ class CacheAwarePolicy:
         self._window = balance_window(1, config.load_bound)
         self._placement = placement_profile(config, self._recent)
         self._continuation = continuation_profile(config)
+        self._tenants: dict[str, TenantPlacement] = {}  # per served model
         self.index = PrefixIndex(config.index_max_total_blocks)
         self.precise = precise
 
@@ -84,19 +87,31 @@ class CacheAwarePolicy:
         matched, all_precise = self.matched_tokens(request, candidates, fleet.now)
         per_block = tokens_per_block(self._config)
         everywhere = min(matched.values())
-        shared = max(everywhere, round(request.anchor_blocks * per_block))
+        # A chat's anchor and the block straddling its end (the next message's role and first words, which many
+        # conversations share) are what a tenant's conversations have in common, not any conversation's own.
+        shared = max(everywhere, round((request.anchor_blocks + 1) * per_block)) if request.anchor_blocks \
+            else everywhere
         depth = request.anchor_blocks or int(everywhere / per_block) + self._config.affinity_blocks
         if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
             depth = min(depth, request.opening_blocks)
         key = placement_key(request, depth)
+        tenants = self._tenants.setdefault(request.model, TenantPlacement(self._config.load_bound))
+        tenants.observe(key, len(candidates))
         if any(tokens > shared for tokens in matched.values()):
             cycle, profile = Cycle(request, key, matched), self._continuation
-        elif all_precise:
-            # The engines' events are every gateway's truth: placement weighs which replicas hold the anchor.
-            cycle, profile = Cycle(request, key, matched), self._placement
         else:
-            # What a gateway's index says about the anchor is its own history: placement must not depend on it.
-            cycle, profile = Cycle(request, key, dict.fromkeys(matched, shared)), self._placement
+            # New context goes to its tenant's assigned home, which every gateway computes alike. Where every
+            # candidate's KV events flow, which replicas hold the anchor is every gateway's truth and placement
+            # weighs it. What a gateway's own index says about the anchor is its own history, which must not
+            # count: the home is taken to hold it (it is where the tenant's conversations go), no other replica.
+            home = tenants.home(key, candidates)
+            if all_precise:
+                seen = matched
+            elif home is not None:
+                seen = {endpoint: shared if endpoint == home else everywhere for endpoint in matched}
+            else:
+                seen = dict.fromkeys(matched, shared)
+            cycle, profile = Cycle(request, key, seen, home), self._placement
         eligible = profile.filter(cycle, candidates)
         if not eligible:
             ranked, reason = least_loaded_order(key, candidates), "fallback"
@@ -113,7 +128,8 @@ class CacheAwarePolicy:
             return "overflow"
         if most > least:
             return "prefix_hit"
-        return "cold" if rendezvous_order(cycle.placement_key, candidates)[0].key == chosen.key else "overflow"
+        home = cycle.home or rendezvous_order(cycle.placement_key, candidates)[0].key
+        return "cold" if chosen.key == home else "overflow"
 
     def record(self, request: RequestInfo, chosen: EndpointState) -> None:
         """The chosen replica now caches the request's blocks, and has one more recent request."""

@@ -14,10 +14,11 @@ COST_RESOLUTION_SECONDS = 1e-4
 
 
 class LowestCostPicker:
-    """Cheapest expected time to first token first; equal costs in the rendezvous order of the request's prefix.
+    """Cheapest expected time to first token first; equal costs at the cycle's assigned home first, then in the
+    rendezvous order of the request's prefix.
 
-    Breaking ties by rendezvous rather than at random or by position keeps every gateway replica's choice
-    the same and sends a prefix nobody holds, on an evenly loaded fleet, to its home.
+    Breaking ties by assignment and rendezvous rather than at random or by position keeps every gateway
+    replica's choice the same and sends a prefix nobody holds, on an evenly loaded fleet, to its home.
     """
 
     name = "lowest-cost"
@@ -26,10 +27,11 @@ class LowestCostPicker:
         self._cost = cost
 
     def rank(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[EndpointState]:
-        """Candidates by cost ascending, then by rendezvous weight descending."""
+        """Candidates by cost ascending, then the assigned home, then by rendezvous weight descending."""
 
-        def order(state: EndpointState) -> tuple[int, int, str]:
+        def order(state: EndpointState) -> tuple[int, bool, int, str]:
             seconds = self._cost.seconds(cycle.request, cycle.matched_tokens, state)
-            return round(seconds / COST_RESOLUTION_SECONDS), -rendezvous_weight(cycle.placement_key, state.key), state.key
+            return (round(seconds / COST_RESOLUTION_SECONDS), state.key != cycle.home,
+                    -rendezvous_weight(cycle.placement_key, state.key), state.key)
 
         return sorted(candidates, key=order)

@@ -1,0 +1,109 @@
+"""Tenant placement: busy placement keys packed onto replicas alike on every gateway, whole and evenly."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
+from kvgate.policies import RoutingConfig, build_policy, build_request_info
+from kvgate.policies.rendezvous import rendezvous_order
+from kvgate.policies.tenants import TenantPlacement, assign, coarse_weights
+
+REPLICAS = ["pod-a", "pod-b", "pod-c"]
+CONFIG = RoutingConfig()
+
+
+def fleet(keys: list[str] = REPLICAS) -> FleetSnapshot:
+    return FleetSnapshot(tuple(EndpointState(Endpoint(key, f"http://{key}:8000")) for key in keys))
+
+
+def zipf_stream(tenants: int, count: int, s: float, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    weights = [1 / rank**s for rank in range(1, tenants + 1)]
+    return rng.choices(range(1000, 1000 + tenants), weights, k=count)
+
+
+def test_noise_leaves_every_ordinary_tenant_at_one_and_a_hot_one_weighs_a_power_of_two() -> None:
+    rng = random.Random(3)
+    noisy = {key: rng.gauss(12.0, 3.0) for key in range(24)}
+    assert set(coarse_weights(noisy).values()) == {1}
+    weights = coarse_weights({1: 95.0, 2: 40.0, **{key: 10.0 for key in range(10, 30)}})
+    assert weights[1] == 8  # 95 over a mean of 16.75 is 5.7x: the nearest power of two
+    assert weights[2] == 2
+    assert {weights[key] for key in range(10, 30)} == {1}
+    assert coarse_weights({}) == {}
+
+
+def test_equal_tenants_are_packed_evenly_and_the_map_does_not_depend_on_order() -> None:
+    weights = dict.fromkeys(range(24), 1)
+    homes = assign(weights, REPLICAS)
+    assert sorted(Counter(homes.values()).values()) == [8, 8, 8]
+    assert assign(dict(reversed(weights.items())), list(reversed(REPLICAS))) == homes
+    rendezvous = {key: rendezvous_order(key, fleet().endpoints)[0].key for key in weights}
+    assert sum(homes[key] == rendezvous[key] for key in weights) >= 20  # only the excess moves
+
+
+def test_a_tenant_hotter_than_a_fair_share_gets_its_home_and_the_rest_fill_around_it() -> None:
+    weights = {7: 16, **dict.fromkeys(range(100, 124), 1)}  # one tenant as busy as 16 ordinary ones
+    homes = assign(weights, REPLICAS)
+    hot_home = homes[7]
+    assert hot_home == rendezvous_order(7, fleet().endpoints)[0].key
+    load = Counter()
+    for key, home in homes.items():
+        load[home] += weights[key]
+    assert load[hot_home] == 16  # nobody else joins it
+    assert all(11 <= load[replica] <= 14 for replica in REPLICAS if replica != hot_home)  # 40 / 3 each, about
+
+
+def test_a_key_seen_once_has_no_home_and_busy_keys_do() -> None:
+    placement = TenantPlacement(CONFIG.load_bound)
+    candidates = fleet().endpoints
+    placement.observe(1, 3)
+    assert placement.home(1, candidates) is None
+    for _ in range(40):
+        placement.observe(2, 3)
+    placement.observe(2, 3)
+    assert placement.home(2, candidates) in REPLICAS
+    assert placement.home(1, candidates) is None
+    # A replica leaving moves the map at once.
+    two = fleet(REPLICAS[:2]).endpoints
+    assert placement.home(2, two) in REPLICAS[:2]
+
+
+def test_two_gateways_seeing_alternate_requests_send_the_same_tenants_to_the_same_homes() -> None:
+    candidates = fleet().endpoints
+    for tenants, skew, floor in ((24, 0.0, 0.97), (150, 0.0, 0.9), (24, 1.2, 0.85), (60, 1.2, 0.85)):
+        stream = zipf_stream(tenants, 2000, skew, seed=1)
+        requests = Counter(stream)
+        gateways = [TenantPlacement(CONFIG.load_bound), TenantPlacement(CONFIG.load_bound)]
+        agreed = total = 0
+        for position, key in enumerate(stream):
+            gateways[position % 2].observe(key, 3)
+            if position >= 600 and position % 50 == 0:
+                homes = [{key: gateway.home(key, candidates) or rendezvous_order(key, candidates)[0].key
+                          for key in requests} for gateway in gateways]
+                agreed += sum(count for key, count in requests.items() if homes[0][key] == homes[1][key])
+                total += sum(requests.values())
+        assert agreed / total >= floor, (tenants, skew, agreed / total)  # weighed by the tenants' requests
+
+
+def chat(tenant: int, user: str) -> object:
+    system = (f"tenant {tenant} system prompt " * 80)[:1600]
+    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return build_request_info("chat", body, "interactive", CONFIG)
+
+
+def test_new_conversations_follow_their_tenants_home_not_a_shared_opening_words_block() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    idle = fleet()
+    placed: dict[int, set[str]] = {}
+    for turn in range(400):
+        tenant = turn % 24
+        request = chat(tenant, f"Question 1: what about item {turn}?")
+        decision = policy.pick(request, idle)
+        policy.record(request, decision.endpoint)
+        if turn >= 200:
+            placed.setdefault(tenant, set()).add(decision.endpoint.key)
+    assert all(len(homes) == 1 for homes in placed.values())  # each tenant whole on one replica
+    assert sorted(Counter(next(iter(homes)) for homes in placed.values()).values()) == [8, 8, 8]
