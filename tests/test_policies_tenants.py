@@ -7,11 +7,13 @@ from collections import Counter
 
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
+from kvgate.policies.balance import balance_window
 from kvgate.policies.rendezvous import rendezvous_order
 from kvgate.policies.tenants import TenantPlacement, assign, coarse_weights
 
 REPLICAS = ["pod-a", "pod-b", "pod-c"]
 CONFIG = RoutingConfig()
+WINDOW = balance_window(len(REPLICAS), CONFIG.load_bound)
 
 
 def fleet(keys: list[str] = REPLICAS) -> FleetSnapshot:
@@ -57,13 +59,13 @@ def test_a_tenant_hotter_than_a_fair_share_gets_its_home_and_the_rest_fill_aroun
 
 
 def test_a_key_seen_once_has_no_home_and_busy_keys_do() -> None:
-    placement = TenantPlacement(CONFIG.load_bound)
+    placement = TenantPlacement()
     candidates = fleet().endpoints
-    placement.observe(1, 3)
+    placement.observe(1, WINDOW)
     assert placement.home(1, candidates) is None
     for _ in range(40):
-        placement.observe(2, 3)
-    placement.observe(2, 3)
+        placement.observe(2, WINDOW)
+    placement.observe(2, WINDOW)
     assert placement.home(2, candidates) in REPLICAS
     assert placement.home(1, candidates) is None
     # A replica leaving moves the map at once.
@@ -76,10 +78,10 @@ def test_two_gateways_seeing_alternate_requests_send_the_same_tenants_to_the_sam
     for tenants, skew, floor in ((24, 0.0, 0.97), (150, 0.0, 0.9), (24, 1.2, 0.85), (60, 1.2, 0.85)):
         stream = zipf_stream(tenants, 2000, skew, seed=1)
         requests = Counter(stream)
-        gateways = [TenantPlacement(CONFIG.load_bound), TenantPlacement(CONFIG.load_bound)]
+        gateways = [TenantPlacement(), TenantPlacement()]
         agreed = total = 0
         for position, key in enumerate(stream):
-            gateways[position % 2].observe(key, 3)
+            gateways[position % 2].observe(key, WINDOW)
             if position >= 600 and position % 50 == 0:
                 homes = [{key: gateway.home(key, candidates) or rendezvous_order(key, candidates)[0].key
                           for key in requests} for gateway in gateways]

@@ -95,8 +95,8 @@ class CacheAwarePolicy:
         if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
             depth = min(depth, request.opening_blocks)
         key = placement_key(request, depth)
-        tenants = self._tenants.setdefault(request.model, TenantPlacement(self._config.load_bound))
-        tenants.observe(key, len(candidates))
+        tenants = self._tenants.setdefault(request.model, TenantPlacement())
+        tenants.observe(key, self._window)
         if any(tokens > shared for tokens in matched.values()):
             cycle, profile = Cycle(request, key, matched), self._continuation
         else:

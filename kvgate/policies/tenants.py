@@ -23,7 +23,6 @@ import math
 from collections.abc import Sequence
 
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.balance import balance_window
 from kvgate.policies.rendezvous import rendezvous_weight
 
 BUSY = 1.5  # decayed requests a key needs to be placed as a tenant: seen at least twice lately
@@ -60,18 +59,17 @@ def assign(weights: dict[int, int], replicas: Sequence[str]) -> dict[int, str]:
 class TenantPlacement:
     """Follows the popularity of placement keys and maps the busy ones to a home replica each."""
 
-    def __init__(self, load_bound: float) -> None:
-        self._load_bound = load_bound
+    def __init__(self) -> None:
         self._counts: dict[int, tuple[float, int]] = {}  # key -> (decayed count, tick it was last brought to)
         self._tick = 0
-        self._window = balance_window(1, load_bound)
+        self._window = 1  # the share bound's window (policies/balance.py), as the policy last gave it
         self._homes: dict[int, str] = {}
         self._replicas: tuple[str, ...] = ()
         self._refreshed_at = 0
 
-    def observe(self, key: int, replicas: int) -> None:
-        """One more request with this placement key, among `replicas` candidates."""
-        self._window = balance_window(replicas, self._load_bound)
+    def observe(self, key: int, window: int) -> None:
+        """One more request with this placement key; popularity decays over `window` requests."""
+        self._window = window
         self._tick += 1
         self._counts[key] = (self._count(key) + 1.0, self._tick)
         if len(self._counts) > 2 * MAX_TRACKED:
