@@ -31,10 +31,36 @@ def test_noise_leaves_every_ordinary_tenant_at_one_and_a_hot_one_weighs_a_power_
     noisy = {key: rng.gauss(12.0, 3.0) for key in range(24)}
     assert set(coarse_weights(noisy).values()) == {1}
     weights = coarse_weights({1: 95.0, 2: 40.0, **{key: 10.0 for key in range(10, 30)}})
-    assert weights[1] == 8  # 95 over a mean of 16.75 is 5.7x: the nearest power of two
-    assert weights[2] == 2
+    assert weights[1] == 8  # 9.5x the mean light key, rounded to a half power of two
+    assert weights[2] == 4  # 4x: heavy once the first is taken out of the unit
     assert {weights[key] for key in range(10, 30)} == {1}
     assert coarse_weights({}) == {}
+
+
+def test_a_tenant_near_a_weight_boundary_keeps_its_weight_until_clearly_past_it() -> None:
+    ordinary = {key: 10.0 for key in range(10, 30)}
+
+    def weight(count: float, previous: float | None) -> float:
+        return coarse_weights({1: count, **ordinary}, {} if previous is None else {1: previous})[1]
+
+    assert weight(24.0, None) == weight(30.0, 1) == 1  # 2.4x and 2.7x the unit: not yet clearly heavy
+    assert weight(35.0, None) == weight(35.0, 1) == 4  # 3.5x: clearly heavy, the nearest half power of two
+    assert weight(17.0, 2) == 2  # 1.7x: back under twice the unit, a heavy key stays heavy
+    assert weight(13.0, 2) == 1  # 1.3x: clearly light
+
+
+def test_skewed_popularity_is_weighed_by_the_light_keys_not_the_mean_of_all() -> None:
+    counts = {0: 100.0, 1: 48.0, **{key: 4.0 for key in range(10, 48)}}  # two heavy tenants, 38 light ones
+    weights = coarse_weights(counts)
+    assert weights[0] == 2**4.5 and weights[1] == 2**3.5  # 25x and 12x the light key
+    share = {key: weights[key] / sum(weights.values()) for key in (0, 1)}
+    assert abs(share[0] - 100 / 300) < 0.05 and abs(share[1] - 48 / 300) < 0.03  # a true share of the load
+    homes = assign(weights, REPLICAS)
+    assert homes[0] != homes[1]  # the two heavy tenants never share a home
+    load = Counter()
+    for key, home in homes.items():
+        load[home] += counts[key] / 300
+    assert max(load.values()) < 0.38  # the busiest home carries little more than its heavy tenant's third
 
 
 def test_equal_tenants_are_packed_evenly_and_the_map_does_not_depend_on_order() -> None:
