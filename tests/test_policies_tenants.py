@@ -116,10 +116,14 @@ def test_two_gateways_seeing_alternate_requests_send_the_same_tenants_to_the_sam
         assert agreed / total >= floor, (tenants, skew, agreed / total)  # weighed by the tenants' requests
 
 
-def chat(tenant: int, user: str) -> object:
-    system = (f"tenant {tenant} system prompt " * 80)[:1600]
-    body = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-    return build_request_info("chat", body, "interactive", CONFIG)
+def chat(tenant: int, *turns: str) -> object:
+    """A chat of `tenant`: its system prompt, then the user turns given, each but the last answered."""
+    messages = [{"role": "system", "content": (f"tenant {tenant} system prompt " * 80)[:1600]}]
+    for number, user in enumerate(turns):
+        messages.append({"role": "user", "content": user})
+        if number < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"The answer to {user!r} is in the handbook, section 4."})
+    return build_request_info("chat", {"model": "m", "messages": messages}, "interactive", CONFIG)
 
 
 def test_new_conversations_follow_their_tenants_home_not_a_shared_opening_words_block() -> None:
@@ -135,3 +139,23 @@ def test_new_conversations_follow_their_tenants_home_not_a_shared_opening_words_
             placed.setdefault(tenant, set()).add(decision.endpoint.key)
     assert all(len(homes) == 1 for homes in placed.values())  # each tenant whole on one replica
     assert sorted(Counter(next(iter(homes)) for homes in placed.values()).values()) == [8, 8, 8]
+
+
+def test_a_later_turn_another_gateway_placed_stays_at_its_tenants_home_past_the_share_bound() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    idle = fleet()
+    placed: Counter[str] = Counter()
+    for number in range(600):  # tenant 0 brings two thirds of the traffic: more than its home's share bound allows
+        tenant = 0 if number % 3 else number % 24
+        request = chat(tenant, f"Question 1: what about item {number}?")
+        decision = policy.pick(request, idle)
+        policy.record(request, decision.endpoint)
+        if tenant == 0 and number >= 300:
+            placed[decision.endpoint.key] += 1
+    home = placed.most_common(1)[0][0]
+    spilled = policy.pick(chat(0, "Question 1: what about the warranty?"), idle)
+    assert spilled.endpoint.key != home and spilled.reason == "overflow"  # a new conversation: the bound holds
+    # Turn 3 of a conversation whose first two turns another gateway placed: new to this gateway's index.
+    later = chat(0, "Question 1: what about the refund?", "Question 2: and the invoice?", "Question 3: when?")
+    decision = policy.pick(later, idle)
+    assert decision.endpoint.key == home and decision.reason == "prefix_hit"

@@ -23,7 +23,9 @@ feed the same decision.
    spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
    where the first did, on every gateway). A busy home spills to the next replica in the key's own
    rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of spraying
-   the fleet.
+   the fleet. A chat's later turn that looks new to this gateway (several gateways share the traffic, and
+   another placed its earlier turns) is taken to be at its tenant's home, history included, and is routed
+   as a continuation: the share bound does not push it off the replica that holds its history.
 Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the
 assigned or rendezvous home, nobody holding more), "overflow" (load moved it off either), "fallback" (every
 candidate was over its cap: the least loaded).
@@ -45,6 +47,11 @@ from kvgate.policies.profile import continuation_profile, placement_profile
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.tenants import TenantPlacement
 from kvgate.policies.types import Decision, RequestInfo
+
+
+def _carries_history(request: RequestInfo) -> bool:
+    """Whether a chat carries turns past its first own message (more than a block past its opening)."""
+    return bool(request.opening_blocks) and len(request.block_hashes) >= request.opening_blocks + 2
 
 
 class CacheAwarePolicy:
@@ -105,13 +112,19 @@ class CacheAwarePolicy:
             # weighs it. What a gateway's own index says about the anchor is its own history, which must not
             # count: the home is taken to hold it (it is where the tenant's conversations go), no other replica.
             home = tenants.home(key, candidates)
+            profile = self._placement
             if all_precise:
                 seen = matched
             elif home is not None:
-                seen = {endpoint: shared if endpoint == home else everywhere for endpoint in matched}
+                held = shared
+                if _carries_history(request):
+                    # A later turn whose earlier ones this gateway never placed (another gateway did) is where
+                    # its tenant's conversations go, history and all, and stays there as a continuation would.
+                    held, profile = prompt_tokens(request, self._config), self._continuation
+                seen = {endpoint: held if endpoint == home else everywhere for endpoint in matched}
             else:
                 seen = dict.fromkeys(matched, shared)
-            cycle, profile = Cycle(request, key, seen, home), self._placement
+            cycle = Cycle(request, key, seen, home)
         eligible = profile.filter(cycle, candidates)
         if not eligible:
             ranked, reason = least_loaded_order(key, candidates), "fallback"
