@@ -370,6 +370,9 @@ def test_cost_is_uncached_prefill_plus_queueing_in_seconds() -> None:
     # Its uncached tokens do not fit in the free KV cache: it waits for blocks as for a seat.
     full = state("d", kv_cache_usage=0.99, block_size=16, num_gpu_blocks=100, stale=False, scraped_at=1.0)
     assert cost.seconds(req, {}, full) == pytest.approx(0.160 + 0.1)
+    # A replica whose queue was seen to drain at its own pace waits at that pace, not the configured one.
+    paced = dataclasses.replace(state("c", waiting=3, running=8, stale=False, scraped_at=1.0), seconds_per_finish=0.02)
+    assert cost.seconds(req, {}, paced) == pytest.approx(0.160 + 4 * 0.02)
 
 
 def test_a_replica_a_few_requests_over_the_mean_keeps_the_conversation_it_caches() -> None:
@@ -404,6 +407,22 @@ def test_a_queue_on_the_holder_moves_a_request_once_waiting_costs_more_than_its_
     assert policy.pick(req, with_queue(1)).endpoint.key == holder.key  # 2 x 0.05 s < 0.16 s
     decision = policy.pick(req, with_queue(4))  # 5 x 0.05 s > 0.16 s
     assert (decision.reason, decision.endpoint.key) == ("overflow", KEYS[1])
+
+
+@pytest.mark.parametrize("waiting", [1, 4])
+def test_a_queue_behind_a_full_kv_cache_is_waited_behind_first_come_first_served(waiting: int) -> None:
+    # vLLM admits its queue in order and stops at the first request it cannot give blocks: a request whose
+    # uncached tokens would fit still waits behind the whole queue, as behind a queue for seats.
+    config = RoutingConfig(prefill_tokens_per_second=1000.0, queue_seconds_per_request=0.05)
+    policy = CacheAwarePolicy(config)
+    req = request(prompt("context", blocks=10))  # 160 tokens: 0.16 s of prefill elsewhere
+    holder = idle_fleet(KEYS[:2]).endpoints[0]
+    policy.record(req, holder)
+    full = state(holder.key, waiting=waiting, running=4, kv_cache_usage=0.95, block_size=16, num_gpu_blocks=1000,
+                 stale=False, scraped_at=1.0)  # 800 free tokens: the request's own would fit
+    assert RequestCost(config).seconds(req, {holder.key: 160}, full) == pytest.approx((waiting + 1) * 0.05)
+    decision = policy.pick(req, fleet_of(full, state(KEYS[1])))
+    assert decision.endpoint.key == (holder.key if waiting == 1 else KEYS[1])  # 2 x 0.05 s < 0.16 s < 5 x 0.05 s
 
 
 def test_matched_tokens_from_any_index_rank_the_same_way() -> None:

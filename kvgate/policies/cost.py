@@ -1,7 +1,11 @@
 """What a replica would cost a request, in seconds of time to first token: prefill it must redo, queueing it must wait.
 
     cost(replica) = uncached prompt tokens / prefill_tokens_per_second
-                  + requests ahead of it in the replica's queue x queue_seconds_per_request
+                  + requests ahead of it in the replica's queue x seconds per request ahead
+
+Seconds per request ahead are the replica's own pace (the time between two requests it finished while it
+queued, learned from vLLM's counter: policies/capacity.py DrainLearner), `queue_seconds_per_request` until
+it has queued long enough to tell.
 
 A sequence the replica merely runs (a seat is free) lengthens each engine step by a fraction of a
 millisecond: no term for it, since it would turn every tie between replicas holding the same context
@@ -9,8 +13,8 @@ into a least-loaded choice that scatters new context, for no time a prefill or a
 
 Cache matches are counted in prompt tokens, the currency both the approximate index (blocks of
 `block_chars` bytes at `chars_per_token`) and an engine-reported index (tokens the engine holds) speak.
-The two rates are properties of the engine and model, not of a workload; see docs/routing.md for how
-to read each one off a replica's own /metrics.
+The rates are properties of the engine and model, not of a workload; see docs/routing.md for how
+to read them off a replica's own /metrics.
 """
 
 from __future__ import annotations
@@ -36,24 +40,21 @@ def prompt_tokens(request: RequestInfo, config: RoutingConfig) -> int:
     return max(1, round(request.prompt_chars / config.chars_per_token))
 
 
-def requests_ahead(state: EndpointState, uncached_tokens: int, kv_full: float) -> int:
-    """Requests a new one would wait behind on the replica: for a seat, or for KV blocks.
+def requests_ahead(state: EndpointState, uncached_tokens: int) -> int:
+    """Requests a new one would wait behind on the replica, first come first served.
 
-    For a seat: with the seat count known, what the replica holds beyond it, plus one when every seat
-    is taken; else its scraped queue, plus one when it has one. But a queue while the KV cache is full
-    (at `kv_full` or more) waits for blocks, not seats, and a request whose uncached tokens fit in the
-    free blocks is admitted past it: moving it to where its prefix must be prefilled again would only
-    need more blocks there. For blocks: one, when its uncached tokens do not fit in the free KV cache.
+    vLLM's scheduler admits waiting requests in order and stops at the first one it cannot give a seat or
+    KV blocks, so a new request waits behind the whole queue, whatever it waits for and however little of
+    its own prompt is uncached: the scraped queue plus one when there is one, and with the seat count
+    known, at least what the replica holds beyond its seats plus one. With no queue, one when its uncached
+    tokens do not fit in the free KV cache: it waits until a running sequence frees blocks.
     """
     metrics = state.metrics
+    waiting = state.waiting  # fresh scrapes only: a stale one says nothing about now
+    ahead = waiting + 1 if waiting else 0
+    if state.seats:
+        ahead = max(ahead, occupied(state) - state.seats + 1)
     fresh = not metrics.stale and metrics.scraped_at is not None
-    if fresh and metrics.kv_cache_usage >= kv_full:
-        ahead = 0
-    elif state.seats:
-        ahead = max(0, occupied(state) - state.seats + 1)
-    else:
-        waiting = state.waiting  # fresh scrapes only: a stale one says nothing about now
-        ahead = waiting + 1 if waiting else 0
     capacity = metrics.kv_capacity_tokens
     if not ahead and fresh and capacity and uncached_tokens > (1.0 - metrics.kv_cache_usage) * capacity:
         ahead = 1  # it waits until a running sequence frees blocks
@@ -70,7 +71,5 @@ class RequestCost:
         """Prefill of the tokens the replica does not hold plus queueing behind what it runs and waits for."""
         config = self._config
         uncached = max(0, prompt_tokens(request, config) - matched_tokens.get(state.key, 0))
-        return (
-            uncached / config.prefill_tokens_per_second
-            + requests_ahead(state, uncached, config.kv_full) * config.queue_seconds_per_request
-        )
+        pace = state.seconds_per_finish or config.queue_seconds_per_request
+        return uncached / config.prefill_tokens_per_second + requests_ahead(state, uncached) * pace

@@ -261,8 +261,6 @@ def validate(config: GatewayConfig) -> None:
     for name in ("prefill_tokens_per_second", "chars_per_token"):
         if getattr(routing, name) <= 0:
             raise ConfigError(f"routing.{name}: must be greater than 0, got {getattr(routing, name)}")
-    if not 0 < routing.kv_full <= 1:
-        raise ConfigError(f"routing.kv_full: must be in (0, 1], got {routing.kv_full}")
     if routing.queue_seconds_per_request < 0:
         raise ConfigError(f"routing.queue_seconds_per_request: must not be negative, got {routing.queue_seconds_per_request}")
     _validate_priorities(config)
