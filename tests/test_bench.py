@@ -128,8 +128,8 @@ def test_targets_compare_with_oracle_and_round_robin_under_zipf() -> None:
     assert rows["cache-aware"].hit_rate == 0.88
     assert all(check.passed for check in rows["cache-aware"].targets), rows["cache-aware"].targets
     failed = {check.name for check in rows["least-load"].targets if not check.passed}
-    assert failed == {"hit >= 95% of oracle", "hit >= round-robin + 40 pts", "max/mean requests <= 1.25",
-                      "TTFT p99 <= round-robin's"}
+    assert failed == {"hit >= 95% of oracle", "hit >= round-robin + 25 pts", "max/mean requests <= 1.25",
+                      "TTFT p99 <= round-robin's", "E2E p99 <= 1.05 x round-robin's"}
 
 
 def test_precise_rows_are_held_to_the_pressure_oracle_and_the_approximate_row() -> None:

@@ -26,7 +26,8 @@ DOCS_START, DOCS_END = markers("routing")
 HIT_SHARE_OF_ORACLE = 0.95
 PRECISE_SHARE_OF_PRESSURE_ORACLE = 0.97
 PRECISE_POINTS_OVER_APPROXIMATE = 0.10
-HIT_POINTS_OVER_BASELINE = 0.40
+SKEWED_HIT_POINTS_OVER_BASELINE = 0.25
+SKEWED_E2E_P99_OVER_BASELINE = 1.05
 MAX_OVER_MEAN_REQUESTS = 1.25
 GATEWAY_SCALE_OUT_LOSS = 0.02
 
@@ -170,17 +171,21 @@ def _hit(row: RowSummary | None, factor: float = 1.0, points: float = 0.0) -> fl
 
 def _check_row(plan: RowPlan, row: RowSummary, rows: dict[str, RowSummary], baseline: str, skewed: bool,
                peer: str | None) -> list[TargetCheck]:
-    """A routed row's targets: against the oracle, the baseline, the peer router and its one-gateway twin."""
+    """A routed row's targets (the routing issue's): against the oracle, the baseline, the peer router and its
+    one-gateway twin."""
     rr = rows.get(baseline)
     checks = [_target("hit >= 95% of oracle", row.hit_rate, _hit(rows.get(ORACLE), HIT_SHARE_OF_ORACLE), "%"),
-              _target("hit >= round-robin + 40 pts", row.hit_rate, _hit(rr, points=HIT_POINTS_OVER_BASELINE), "pts")]
+              _target("TTFT p99 <= round-robin's", row.ttft_p99, rr and rr.ttft_p99, "ms", False)]
     if peer is not None and plan.kind != EXTERNAL:
         other = rows.get(peer)
         checks.append(_target(f"hit >= {peer}'s", row.hit_rate, _hit(other), "pts"))
         checks.append(_target(f"TTFT p99 <= {peer}'s", row.ttft_p99, other and other.ttft_p99, "ms", False))
     if skewed:
         checks.append(_target("max/mean requests <= 1.25", row.max_over_mean, MAX_OVER_MEAN_REQUESTS, "x", False))
-        checks.append(_target("TTFT p99 <= round-robin's", row.ttft_p99, rr and rr.ttft_p99, "ms", False))
+        checks.append(_target("hit >= round-robin + 25 pts", row.hit_rate,
+                              _hit(rr, points=SKEWED_HIT_POINTS_OVER_BASELINE), "pts"))
+        checks.append(_target("E2E p99 <= 1.05 x round-robin's", row.e2e_p99,
+                              rr and rr.e2e_p99 and SKEWED_E2E_P99_OVER_BASELINE * rr.e2e_p99, "ms", False))
     if plan.precise:
         checks.append(_target(f"hit >= {PRECISE_SHARE_OF_PRESSURE_ORACLE:.0%} of pressure oracle", row.hit_rate,
                               _hit(rows.get(PRESSURE_ORACLE), PRECISE_SHARE_OF_PRESSURE_ORACLE), "%"))
