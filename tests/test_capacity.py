@@ -5,11 +5,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import pytest
-
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import (ClassStanding, DrainLearner, SaturationThresholds, SeatLearner, kv_fits,
-                                      kv_slots, occupied, room_for, seat_to_free)
+from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_fits, kv_slots,
+                                      occupied, room_for, seat_to_free)
 from kvgate.policies.rendezvous import retry_order
 
 
@@ -160,22 +158,3 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_
     mixed = ClassStanding(alone=False)
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 0
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full
-
-
-def test_a_queue_drains_at_the_pace_its_replica_finished_requests_while_it_queued() -> None:
-    learner = DrainLearner()
-
-    def page(at: float, finished: int, waiting: int) -> ReplicaMetrics:
-        return ReplicaMetrics(running=8, waiting=waiting, requests_finished=finished, scraped_at=at, stale=False)
-
-    learner.observe("a", page(0.0, 100, waiting=0))
-    learner.observe("a", page(5.0, 101, waiting=3))  # idle until then: it finished only what it was sent
-    assert learner.seconds_per_finish("a") is None
-    for step in range(1, 11):  # queued: 10 requests finished per 0.5 s
-        learner.observe("a", page(5.0 + 0.5 * step, 101 + 10 * step, waiting=3))
-    assert learner.seconds_per_finish("a") == pytest.approx(0.05)
-    learner.observe("a", page(11.0, 3, waiting=3))  # the engine restarted: its counter began again
-    assert learner.seconds_per_finish("a") is None
-    learner.observe("a", page(11.5, 13, waiting=3))
-    learner.forget("a")
-    assert learner.seconds_per_finish("a") is None

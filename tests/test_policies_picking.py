@@ -370,9 +370,6 @@ def test_cost_is_uncached_prefill_plus_queueing_in_seconds() -> None:
     # Its uncached tokens do not fit in the free KV cache: it waits for blocks as for a seat.
     full = state("d", kv_cache_usage=0.99, block_size=16, num_gpu_blocks=100, stale=False, scraped_at=1.0)
     assert cost.seconds(req, {}, full) == pytest.approx(0.160 + 0.1)
-    # A replica whose queue was seen to drain at its own pace waits at that pace, not the configured one.
-    paced = dataclasses.replace(state("c", waiting=3, running=8, stale=False, scraped_at=1.0), seconds_per_finish=0.02)
-    assert cost.seconds(req, {}, paced) == pytest.approx(0.160 + 4 * 0.02)
 
 
 def test_a_replica_a_few_requests_over_the_mean_keeps_the_conversation_it_caches() -> None:

@@ -273,9 +273,3 @@ def test_engine_steps_are_read_from_the_iteration_histogram_of_a_real_page() -> 
     assert parse_vllm_metrics(REAL_PAGE.read_text(), 1.0).engine_steps == 677  # one engine, 677 steps
     page = "\n".join(line for line in REAL_PAGE.read_text().splitlines() if "iteration_tokens" not in line)
     assert parse_vllm_metrics(page, 1.0).engine_steps is None
-
-
-def test_finished_requests_are_summed_over_finish_reasons_of_a_real_page() -> None:
-    assert parse_vllm_metrics(REAL_PAGE.read_text(), 1.0).requests_finished == 8  # 8 stopped at their length
-    page = "\n".join(line for line in REAL_PAGE.read_text().splitlines() if "request_success" not in line)
-    assert parse_vllm_metrics(page, 1.0).requests_finished is None

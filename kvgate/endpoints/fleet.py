@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
-from kvgate.policies.capacity import DrainLearner, SeatLearner
+from kvgate.policies.capacity import SeatLearner
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,6 @@ class Fleet:
         self._open_at_page: dict[str, int] = {}  # _in_flight when the last successful scrape started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
-        self._drains = DrainLearner()
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -71,7 +70,6 @@ class Fleet:
             self._open_at_scrape.pop(key, None)
             self._open_at_page.pop(key, None)
             self._seats.forget(key)
-            self._drains.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -103,8 +101,7 @@ class Fleet:
         return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key],
                              models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
                              grown=self._in_flight[key] - self._open_at_page.get(key, 0),
-                             seats=self._configured_seats or self._seats.seats(key),
-                             seconds_per_finish=self._drains.seconds_per_finish(key))
+                             seats=self._configured_seats or self._seats.seats(key))
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""
@@ -128,9 +125,7 @@ class Fleet:
         if ok:
             self._recent[key] = self._sends[key] - started_at
             self._open_at_page[key] = open_at_start
-            metrics = self._metrics(key)
-            self._drains.observe(key, metrics)
-            learned = self._seats.observe(key, metrics)
+            learned = self._seats.observe(key, self._metrics(key))
             if learned is not None:
                 log.info("replica seats learned key=%s seats=%d", key, learned)
 

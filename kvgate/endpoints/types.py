@@ -37,7 +37,6 @@ class ReplicaMetrics:
     running_lora_adapters: frozenset[str] = frozenset()
     waiting_lora_adapters: frozenset[str] = frozenset()
     engine_steps: int | None = None  # engine steps so far (vllm:iteration_tokens_total's count), None if not exported
-    requests_finished: int | None = None  # requests finished so far (vllm:request_success_total), None if not exported
     scraped_at: float | None = None  # clock value of the last successful scrape, None if never
     stale: bool = True  # the last scrape failed, was late, or never happened
 
@@ -66,7 +65,6 @@ class EndpointState:
     # since the page (a request that replaced one finished while the scrape was in flight is no growth)
     grown: int = 0
     seats: int | None = None  # sequences it runs at once (vLLM --max-num-seqs): configured or learned; None unknown
-    seconds_per_finish: float | None = None  # while it queues, seconds between finished requests (learned); None unknown
 
     @property
     def key(self) -> str:

@@ -18,8 +18,7 @@ WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 LORA_INFO = "vllm:lora_requests_info"
 STEPS = "vllm:iteration_tokens_total_count"  # one observation per engine step
-FINISHED = "vllm:request_success_total"  # requests finished, by finished_reason
-_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS, FINISHED)
+_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS)
 
 
 class MetricsPageError(ValueError):
@@ -51,7 +50,6 @@ def parse_vllm_metrics(page: str, scraped_at: float) -> ReplicaMetrics:
         running_lora_adapters=_adapters(lora, "running_lora_adapters"),
         waiting_lora_adapters=_adapters(lora, "waiting_lora_adapters"),
         engine_steps=round(sum(s.value for s in by_name[STEPS])) if by_name[STEPS] else None,
-        requests_finished=round(sum(s.value for s in by_name[FINISHED])) if by_name[FINISHED] else None,
         scraped_at=scraped_at,
         stale=False,
     )

@@ -16,8 +16,6 @@ from typing import Protocol, TypeVar
 from kvgate.endpoints.types import EndpointState, ReplicaMetrics
 
 _GROWTH = 0.1  # share of its running count a replica of unknown seats may gain per scrape (growth_step)
-DRAIN_SECONDS = 30.0  # a queue's pace is judged over about this long
-DRAIN_MIN_FINISHED = 4.0  # finished requests (decayed) before a queue's pace is trusted
 
 
 @dataclass(frozen=True)
@@ -314,49 +312,6 @@ class SeatLearner:
         """Drop what was learned about a replica that left."""
         self._seats.pop(key, None)
         self._queued.pop(key, None)
-
-
-class DrainLearner:
-    """Learns how fast each replica's queue drains: seconds between finished requests while it queues.
-
-    A request that waits in a replica's queue starts when the requests ahead of it have, one per request that
-    finishes (first come, first served), so each one ahead costs the time between two finishes on that replica
-    under load. It is read off vLLM's own counter of finished requests, over the scrape intervals that began
-    with a queue (an idle replica finishes only what it is sent, which says nothing about its pace), weighing
-    each interval less by exp(-age / DRAIN_SECONDS).
-    """
-
-    def __init__(self) -> None:
-        self._last: dict[str, ReplicaMetrics] = {}
-        self._totals: dict[str, tuple[float, float]] = {}  # decayed (requests finished, seconds) while queued
-
-    def observe(self, key: str, metrics: ReplicaMetrics) -> None:
-        """Take in one successful scrape of `key`."""
-        before = self._last.get(key)
-        self._last[key] = metrics
-        if before is None or metrics.requests_finished is None or before.requests_finished is None \
-                or metrics.scraped_at is None or before.scraped_at is None:
-            return
-        seconds = metrics.scraped_at - before.scraped_at
-        finished = metrics.requests_finished - before.requests_finished
-        if finished < 0:  # a restarted engine's counter starts again
-            self._totals.pop(key, None)
-            return
-        if seconds <= 0 or before.waiting <= 0:
-            return
-        done, spent = self._totals.get(key, (0.0, 0.0))
-        keep = math.exp(-seconds / DRAIN_SECONDS)
-        self._totals[key] = (done * keep + finished, spent * keep + seconds)
-
-    def seconds_per_finish(self, key: str) -> float | None:
-        """Seconds between finished requests while `key` queues; None until enough finished to tell."""
-        done, spent = self._totals.get(key, (0.0, 0.0))
-        return spent / done if done >= DRAIN_MIN_FINISHED else None
-
-    def forget(self, key: str) -> None:
-        """Drop what was learned about a replica that left."""
-        self._last.pop(key, None)
-        self._totals.pop(key, None)
 
 
 class SeatHolder(Protocol):

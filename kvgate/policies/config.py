@@ -17,7 +17,7 @@ class RoutingConfig:
     hot_spot_bound: float = 2.0  # a replica over this x mean load gets no request at all, cached context or not
     # The cost model, in the engine's own terms (docs/routing.md says how to read them off vLLM's /metrics):
     prefill_tokens_per_second: float = 10_000.0  # a replica's prefill throughput for uncached prompt tokens
-    queue_seconds_per_request: float = 0.05  # wait per request ahead in a queue until the replica's pace is learned
+    queue_seconds_per_request: float = 0.05  # wait each request ahead in a replica's queue adds (request time / seats)
     index_default_blocks: int = 31_250  # per-replica index size when the KV capacity is unknown
     index_max_total_blocks: int = 1_000_000  # all replicas together, about 145 B each: ~145 MB worst case
     chars_per_token: float = 4.0  # to convert a replica's KV capacity in tokens to prefix blocks

@@ -1,11 +1,7 @@
 """What a replica would cost a request, in seconds of time to first token: prefill it must redo, queueing it must wait.
 
     cost(replica) = uncached prompt tokens / prefill_tokens_per_second
-                  + requests ahead of it in the replica's queue x seconds per request ahead
-
-Seconds per request ahead are the replica's own pace (the time between two requests it finished while it
-queued, learned from vLLM's counter: policies/capacity.py DrainLearner), `queue_seconds_per_request` until
-it has queued long enough to tell.
+                  + requests ahead of it in the replica's queue x queue_seconds_per_request
 
 A sequence the replica merely runs (a seat is free) lengthens each engine step by a fraction of a
 millisecond: no term for it, since it would turn every tie between replicas holding the same context
@@ -13,8 +9,8 @@ into a least-loaded choice that scatters new context, for no time a prefill or a
 
 Cache matches are counted in prompt tokens, the currency both the approximate index (blocks of
 `block_chars` bytes at `chars_per_token`) and an engine-reported index (tokens the engine holds) speak.
-The rates are properties of the engine and model, not of a workload; see docs/routing.md for how
-to read them off a replica's own /metrics.
+The two rates are properties of the engine and model, not of a workload; see docs/routing.md for how
+to read each one off a replica's own /metrics.
 """
 
 from __future__ import annotations
@@ -71,5 +67,5 @@ class RequestCost:
         """Prefill of the tokens the replica does not hold plus queueing behind what it runs and waits for."""
         config = self._config
         uncached = max(0, prompt_tokens(request, config) - matched_tokens.get(state.key, 0))
-        pace = state.seconds_per_finish or config.queue_seconds_per_request
-        return uncached / config.prefill_tokens_per_second + requests_ahead(state, uncached) * pace
+        return (uncached / config.prefill_tokens_per_second
+                + requests_ahead(state, uncached) * config.queue_seconds_per_request)

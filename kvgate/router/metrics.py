@@ -93,20 +93,16 @@ class FleetCollector(Collector):
                                   labels=["replica"])
         seats = GaugeMetricFamily("kvgate_replica_seats", "Sequences a replica runs at once, configured or learned "
                                   "(0 while unknown)", labels=["replica"])
-        pace = GaugeMetricFamily("kvgate_replica_queue_seconds_per_request", "Seconds between requests a replica "
-                                 "finished while it queued, learned (0 while unknown)", labels=["replica"])
         counts = {"accepting": 0, "not_accepting": 0}
         for state in self._endpoint_states():
             counts["accepting" if state.endpoint.accepting else "not_accepting"] += 1
             stale.add_metric([state.key], int(state.metrics.stale))
             seats.add_metric([state.key], state.seats or 0)
-            pace.add_metric([state.key], state.seconds_per_finish or 0)
         for state, count in counts.items():
             endpoints.add_metric([state], count)
         yield endpoints
         yield stale
         yield seats
-        yield pace
         yield GaugeMetricFamily("kvgate_prefix_index_blocks", "Prefix blocks held in the index, all replicas",
                                 value=self._index_blocks())
         yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",
