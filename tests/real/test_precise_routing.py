@@ -11,22 +11,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import zmq
-import zmq.asyncio
 
-from kvgate.engine.kv_events import (
-    END_OF_REPLAY,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    decode_batch,
-    decode_seq,
-    encode_seq,
-)
+from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvgate.engine.tokenizer import EngineTokenizer
 from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from tests.harness import running_gateway, wait_until
 from tests.real.conftest import MODEL
+from tests.real.engine_view import engine_tokens, replayed_batches
 from tests.real.test_through_kvgate import SYSTEM, chat, engine_samples
 
 pytestmark = pytest.mark.timeout(600)
@@ -52,12 +43,6 @@ def event_settings(engines: list[VllmEngine], model_dir: Path) -> dict:
             "tokenizer": [f"{MODEL}={model_dir}"], "scrape_interval": 0.1}
 
 
-async def engine_tokens(session: aiohttp.ClientSession, engine: VllmEngine, body: dict) -> list[int]:
-    async with session.post(engine.url + "/tokenize", json=body) as response:
-        assert response.status == 200, await response.text()
-        return (await response.json())["tokens"]
-
-
 async def test_tokenization_equals_the_engines_tokenize_on_chats_and_prompts(fresh_engines, model_dir):
     tokenizer = EngineTokenizer.load(model_dir)
     async with aiohttp.ClientSession() as session:
@@ -74,29 +59,19 @@ async def test_tokenization_equals_the_engines_tokenize_on_chats_and_prompts(fre
 
 async def replayed_state(engine: VllmEngine) -> set:
     """What the engine stored minus what it removed, from every batch its replay buffer holds (from seq 0)."""
-    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(engine.replay_endpoint)
     held: set = set()
-    try:
-        await dealer.send_multipart([b"", encode_seq(0)])
-        expected = 0
-        while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
-            seq, payload = decode_seq(frames[-2]), frames[-1]
-            if seq == END_OF_REPLAY or not payload:
-                return held
-            assert seq == expected, "the replay buffer no longer reaches back to the engine's start"
-            expected += 1
-            for event in decode_batch(seq, payload).events:
-                if isinstance(event, BlockStored):
-                    held.update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    held.difference_update(event.block_hashes)
-                elif isinstance(event, AllBlocksCleared):
-                    held.clear()
-    finally:
-        dealer.close(linger=0)
+    batches = await replayed_batches(engine)
+    assert [batch.seq for batch in batches] == list(range(len(batches))), \
+        "the replay buffer no longer reaches back to the engine's start"
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                held.clear()
+    return held
 
 
 async def test_belief_matches_what_the_engine_stored_minus_what_it_removed_after_evictions(fresh_engines, model_dir):

@@ -16,6 +16,7 @@ from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from tests.harness import running_gateway, wait_until
 from tests.metrics_shape import REAL_PAGE, vllm_family_shapes
 from tests.real.conftest import MODEL
+from tests.real.engine_view import engine_tokens, paused, scheduling_steps, send_in_order
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,15 +34,6 @@ async def engine_samples(session: aiohttp.ClientSession, engine: VllmEngine) -> 
         for sample in family.samples:
             totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
-
-
-async def engine_shows(session: aiohttp.ClientSession, engine: VllmEngine, gauge: str, at_least: float,
-                       timeout: float = 30.0) -> None:
-    """Poll the engine's /metrics until `gauge` reads at least `at_least`; fail the test after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while (await engine_samples(session, engine)).get(gauge, 0.0) < at_least:
-        assert time.monotonic() < deadline, f"{gauge} stayed under {at_least} for {timeout} s"
-        await asyncio.sleep(0.02)
 
 
 async def prefix_hits(session: aiohttp.ClientSession, engines: list[VllmEngine]) -> tuple[float, float]:
@@ -195,48 +187,35 @@ async def test_client_leaving_mid_stream_aborts_the_request_in_vllm(fresh_engine
 
 
 async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engines):
-    """Four seats taken by long batch answers, four short batch requests behind them, then one interactive request:
-    vLLM, scheduling by the priority kvgate set, answers the interactive one ahead of the queued batch ones.
+    """Four long batch answers, four short batch requests, then one interactive request, all queued in a paused
+    engine: resumed, vLLM schedules by the priority kvgate set, the interactive request before the short batch ones.
 
-    The four long answers (1,000 to 1,600 tokens, 41 of the 48 KV blocks) hold the seats for seconds, so the queue
-    forms inside vLLM (kvgate is told of 1,000 seats and holds nothing back). Each step waits until the engine's
-    own gauges show the previous one (timed by sleeps, the test failed in CI on a CPU-starved engine, most likely
-    because the short requests reached it before all four long ones). Order is read from when each 8-token answer
-    ends.
+    First come first served would give the engine's four seats to the long answers (800 to 1,100 tokens) and the
+    interactive request a seat only after the four short ones. The order is read from the engine's KV events, not
+    from the clock: timed by sleeps, then by the engine's gauges, then by the streams, the test failed on CI
+    machines where the engine keeps stepping while every other process stalls for seconds.
     """
     engine = fresh_engines[0]
+    classes = {**{f"long{i}": "batch" for i in range(4)}, **{f"short{i}": "batch" for i in range(4)},
+               "interactive": "interactive"}
+    filler = "Answer briefly and cite the policy section you used. " * 8  # past the first 128-token block
+    messages = {name: [{"role": "user", "content": f"Request {name}. {filler}"}] for name in classes}
     async with running_gateway(endpoints=[engine.url], upstream_priority=True,
                                saturation={"queue": 0, "kv_cache": 1.0, "seats": 1000}) as gw, \
             aiohttp.ClientSession() as session:
-        sent: dict[str, float] = {}
-        finished: dict[str, float] = {}
-        statuses: dict[str, int] = {}
-
-        async def stream(name: str, priority_class: str, tokens: int) -> None:
-            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Request {name}."}],
-                    "max_tokens": tokens, "stream": True, "ignore_eos": True}
-            sent[name] = time.monotonic()
-            async with session.post(gw.url + "/v1/chat/completions", json=body,
-                                    headers={"x-priority": priority_class}) as response:
-                await response.read()
-                finished[name] = time.monotonic()
-                statuses[name] = response.status
-
-        # Lengths apart, so that seats free one at a time and the first one decides who goes next.
-        tasks = [asyncio.create_task(stream(f"run{i}", "batch", 1000 + 200 * i)) for i in range(4)]
-        await engine_shows(session, engine, "vllm:num_requests_running", 4)  # the long answers take the seats
-        tasks += [asyncio.create_task(stream(f"queued{i}", "batch", 8)) for i in range(4)]
-        await engine_shows(session, engine, "vllm:num_requests_waiting", 4)  # the short batch requests arrive first
-        tasks.append(asyncio.create_task(stream("interactive", "interactive", 8)))
-        await asyncio.gather(*tasks)
-    assert set(statuses.values()) == {200}, statuses
-    # Ahead of the queue: under FIFO it would end after all four. One queued request may end in the same engine
-    # step as it (a CI run saw one 30 ms earlier), when a seat freed as it arrived.
-    assert finished["interactive"] < sorted(finished[f"queued{i}"] for i in range(4))[1]
-    # The queue formed: all four long answers still held the engine's four seats when it arrived. (Not read from
-    # when they ended: a CPU-starved API server delivers several answers' ends in one burst, a CI run saw the
-    # interactive one 18 µs after the last long one.)
-    assert sent["interactive"] < min(finished[f"run{i}"] for i in range(4))
+        first_blocks = {tuple((await engine_tokens(session, engine, {"model": MODEL, "messages": m}))[:128]): name
+                        for name, m in messages.items()}
+        requests = [({"model": MODEL, "messages": messages[name], "stream": True, "ignore_eos": True,
+                      "max_tokens": 800 + 100 * int(name[-1]) if name.startswith("long") else 8},
+                     {"x-priority": priority_class}) for name, priority_class in classes.items()]
+        async with paused(session, engine):
+            tasks = await send_in_order(session, gw.url + "/v1/chat/completions", requests)
+        statuses = await asyncio.gather(*tasks)
+        scheduled = await scheduling_steps(engine, first_blocks)
+    assert set(statuses) == {200}, statuses
+    assert scheduled.keys() == classes.keys(), scheduled
+    assert scheduled["interactive"] < min(scheduled[f"short{i}"] for i in range(4)), scheduled
+    assert scheduled["interactive"] < scheduled["long3"], scheduled
 
 
 async def test_engine_sigterm_with_open_streams_fails_no_request_that_had_not_started(fresh_engines):
