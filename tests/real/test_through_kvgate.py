@@ -196,24 +196,24 @@ async def test_upstream_priority_is_accepted_and_orders_vllms_queue(fresh_engine
     machines where the engine keeps stepping while every other process stalls for seconds.
     """
     engine = fresh_engines[0]
-    classes = {**{f"long{i}": "batch" for i in range(4)}, **{f"short{i}": "batch" for i in range(4)},
-               "interactive": "interactive"}
+    plan = {**{f"long{i}": ("batch", 800 + 100 * i) for i in range(4)}, **{f"short{i}": ("batch", 8) for i in range(4)},
+            "interactive": ("interactive", 8)}  # name: (class, max_tokens), in the order they are sent
     filler = "Answer briefly and cite the policy section you used. " * 8  # past the first 128-token block
-    messages = {name: [{"role": "user", "content": f"Request {name}. {filler}"}] for name in classes}
+    messages = {name: [{"role": "user", "content": f"Request {name}. {filler}"}] for name in plan}
     async with running_gateway(endpoints=[engine.url], upstream_priority=True,
                                saturation={"queue": 0, "kv_cache": 1.0, "seats": 1000}) as gw, \
             aiohttp.ClientSession() as session:
         first_blocks = {tuple((await engine_tokens(session, engine, {"model": MODEL, "messages": m}))[:128]): name
                         for name, m in messages.items()}
         requests = [({"model": MODEL, "messages": messages[name], "stream": True, "ignore_eos": True,
-                      "max_tokens": 800 + 100 * int(name[-1]) if name.startswith("long") else 8},
-                     {"x-priority": priority_class}) for name, priority_class in classes.items()]
+                      "max_tokens": tokens}, {"x-priority": priority_class})
+                    for name, (priority_class, tokens) in plan.items()]
         async with paused(session, engine):
             tasks = await send_in_order(session, gw.url + "/v1/chat/completions", requests)
         statuses = await asyncio.gather(*tasks)
         scheduled = await scheduling_steps(engine, first_blocks)
     assert set(statuses) == {200}, statuses
-    assert scheduled.keys() == classes.keys(), scheduled
+    assert scheduled.keys() == plan.keys(), scheduled
     assert scheduled["interactive"] < min(scheduled[f"short{i}"] for i in range(4)), scheduled
     assert scheduled["interactive"] < scheduled["long3"], scheduled
 
