@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -26,7 +27,6 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvgate.endpoints.types import Endpoint
 from kvgate.engine.kv_events import (
-    END_OF_REPLAY,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -34,7 +34,7 @@ from kvgate.engine.kv_events import (
     EventDecodeError,
     decode_batch,
     decode_seq,
-    encode_seq,
+    replay,
 )
 from kvgate.policies.precise_index import PrecisePrefixIndex
 
@@ -208,37 +208,26 @@ class _Subscription:
         if not self.stats.replay_address:
             return False
         self.stats.replays += 1
-        dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.stats.replay_address)
         expected = start
         reached_end = False
         try:
-            await dealer.send_multipart((b"", encode_seq(start)))
-            while True:
-                frames = await asyncio.wait_for(dealer.recv_multipart(), self._owner.replay_timeout_s)
-                parts = frames[1:] if frames and frames[0] == b"" else frames
-                if len(parts) == 3:
-                    parts = parts[1:]  # some publishers add the topic frame
-                seq = decode_seq(parts[0])
-                if seq == END_OF_REPLAY or not parts[-1]:
+            async with aclosing(replay(self.stats.replay_address, start, self._owner.replay_timeout_s)) as batches:
+                async for seq, payload in batches:
+                    if seq < expected or (until is not None and seq >= until):
+                        continue  # before the gap, or a batch the live socket delivers itself
+                    if seq > expected:
+                        break  # the buffer no longer reaches back far enough
+                    if expected == 0:
+                        self._reset(precise=True)
+                    self._apply(decode_batch(seq, payload))
+                    self._skip_through = seq
+                    expected += 1
+                    if expected % _REPLAY_BATCHES_PER_YIELD == 0:
+                        await asyncio.sleep(0)
+                else:
                     reached_end = True
-                    break
-                if seq < expected or (until is not None and seq >= until):
-                    continue  # before the gap, or a batch the live socket delivers itself
-                if seq > expected:
-                    break  # the buffer no longer reaches back far enough
-                if expected == 0:
-                    self._reset(precise=True)
-                self._apply(decode_batch(seq, parts[1]))
-                self._skip_through = seq
-                expected += 1
-                if expected % _REPLAY_BATCHES_PER_YIELD == 0:
-                    await asyncio.sleep(0)
-        except (TimeoutError, EventDecodeError, zmq.ZMQError, IndexError) as exc:
+        except (TimeoutError, EventDecodeError, zmq.ZMQError) as exc:
             log.warning("kv events replay failed replica=%s start=%d: %s", self._key, start, exc or type(exc).__name__)
-        finally:
-            dealer.close(linger=0)
         complete = reached_end and (until is None or expected == until)
         if complete and until is None and expected == 0:
             self._reset(precise=True)  # the engine never published anything: its cache is empty

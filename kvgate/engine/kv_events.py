@@ -5,15 +5,22 @@ A message is `[topic, sequence (8 bytes, big-endian), payload]`; the payload is
 older releases sent tagged arrays `[tag, field, ...]` in declaration order. Block hashes are ints (the
 low 64 bits of the digest) or raw digest bytes. Decoding accepts every form; encoding (the simulator)
 writes the current one.
+
+An engine's replay endpoint (a ROUTER socket) answers a request `[b"", start seq]` with every batch it still
+buffers from `start` on, as `[b"", seq, payload]` (some publishers add the topic frame), then an end marker:
+seq -1 and an empty payload. `replay` reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import zmq
+import zmq.asyncio
 
 BlockHash = int | bytes
 END_OF_REPLAY = -1  # sequence number of the replay endpoint's end marker
@@ -82,6 +89,27 @@ def decode_seq(frame: bytes) -> int:
 def encode_seq(seq: int) -> bytes:
     """The 8-byte big-endian sequence frame."""
     return seq.to_bytes(8, "big", signed=True)
+
+
+async def replay(address: str, start: int, timeout_s: float) -> AsyncIterator[tuple[int, bytes]]:
+    """(seq, payload) of every batch the replay endpoint at `address` buffers from `start` on, oldest first, up to
+    its end marker; TimeoutError when an answer takes over `timeout_s`. Close it (`contextlib.aclosing`) when
+    leaving early."""
+    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    try:
+        await dealer.send_multipart((b"", encode_seq(start)))
+        while True:
+            frames = await asyncio.wait_for(dealer.recv_multipart(), timeout_s)
+            if len(frames) < 2:
+                raise EventDecodeError(f"replay answer of {len(frames)} frames")
+            seq, payload = decode_seq(frames[-2]), frames[-1]
+            if seq == END_OF_REPLAY or not payload:
+                return
+            yield seq, payload
+    finally:
+        dealer.close(linger=0)
 
 
 def decode_batch(seq: int, payload: bytes) -> EventBatch:

@@ -7,10 +7,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import aiohttp
-import zmq
-import zmq.asyncio
 
-from kvgate.engine.kv_events import END_OF_REPLAY, BlockStored, EventBatch, decode_batch, decode_seq, encode_seq
+from kvgate.engine.kv_events import BlockStored, EventBatch, decode_batch, replay
 from kvgate.loadtest.kit.vllm_engine import VllmEngine
 
 
@@ -23,20 +21,7 @@ async def engine_tokens(session: aiohttp.ClientSession, engine: VllmEngine, body
 
 async def replayed_batches(engine: VllmEngine) -> list[EventBatch]:
     """Every KV event batch the engine's replay buffer holds, oldest first, asked for from seq 0."""
-    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(engine.replay_endpoint)
-    batches: list[EventBatch] = []
-    try:
-        await dealer.send_multipart([b"", encode_seq(0)])
-        while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), 10)
-            seq, payload = decode_seq(frames[-2]), frames[-1]
-            if seq == END_OF_REPLAY or not payload:
-                return batches
-            batches.append(decode_batch(seq, payload))
-    finally:
-        dealer.close(linger=0)
+    return [decode_batch(seq, payload) async for seq, payload in replay(engine.replay_endpoint, 0, timeout_s=10)]
 
 
 @asynccontextmanager
