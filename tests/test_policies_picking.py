@@ -363,6 +363,8 @@ def test_cost_is_uncached_prefill_plus_queueing_in_seconds() -> None:
     assert prompt_tokens(req, config) == 160
     assert prompt_tokens(dataclasses.replace(req, token_ids=tuple(range(37))), config) == 37  # tokenized: counted
     assert cost.seconds(req, {"a": 100}, state("a")) == pytest.approx(0.060)
+    # Elsewhere it also stores again the 100 tokens "a" holds, evicting as many that others will prefill again.
+    assert cost.seconds(req, {"a": 100}, state("b")) == pytest.approx(0.160 + 0.100)
     assert cost.seconds(req, {}, state("b", in_flight=5)) == pytest.approx(0.160)  # running, seats free: no wait
     # A fresh scrape showing a queue: every seat is taken, so it waits behind the queue and one more.
     assert cost.seconds(req, {}, state("c", waiting=3, running=8, stale=False, scraped_at=1.0)) == \
@@ -391,35 +393,36 @@ def test_a_replica_a_few_requests_over_the_mean_keeps_the_conversation_it_caches
     assert decision.reason == "overflow" and decision.endpoint.key != holder.key
 
 
-def test_a_queue_on_the_holder_moves_a_request_once_waiting_costs_more_than_its_prefill() -> None:
+def test_a_queue_on_the_holder_moves_a_request_once_waiting_costs_more_than_prefilling_it_twice() -> None:
     config = RoutingConfig(prefill_tokens_per_second=1000.0, queue_seconds_per_request=0.05)
     policy = CacheAwarePolicy(config)
-    req = request(prompt("context", blocks=10))  # 160 tokens: 0.16 s of prefill elsewhere
+    req = request(prompt("context", blocks=10))  # 160 tokens: 0.16 s of prefill elsewhere, 0.16 s of evictions
     holder = idle_fleet(KEYS[:2]).endpoints[0]
     policy.record(req, holder)
 
     def with_queue(waiting: int) -> FleetSnapshot:
         return fleet_of(state(holder.key, waiting=waiting, running=4, stale=False, scraped_at=1.0), state(KEYS[1]))
 
-    assert policy.pick(req, with_queue(1)).endpoint.key == holder.key  # 2 x 0.05 s < 0.16 s
-    decision = policy.pick(req, with_queue(4))  # 5 x 0.05 s > 0.16 s
+    assert policy.pick(req, with_queue(1)).endpoint.key == holder.key  # 2 x 0.05 s < 0.32 s
+    assert policy.pick(req, with_queue(5)).endpoint.key == holder.key  # 6 x 0.05 s < 0.32 s
+    decision = policy.pick(req, with_queue(6))  # 7 x 0.05 s > 0.32 s
     assert (decision.reason, decision.endpoint.key) == ("overflow", KEYS[1])
 
 
-@pytest.mark.parametrize("waiting", [1, 4])
+@pytest.mark.parametrize("waiting", [1, 6])
 def test_a_queue_behind_a_full_kv_cache_is_waited_behind_first_come_first_served(waiting: int) -> None:
     # vLLM admits its queue in order and stops at the first request it cannot give blocks: a request whose
     # uncached tokens would fit still waits behind the whole queue, as behind a queue for seats.
     config = RoutingConfig(prefill_tokens_per_second=1000.0, queue_seconds_per_request=0.05)
     policy = CacheAwarePolicy(config)
-    req = request(prompt("context", blocks=10))  # 160 tokens: 0.16 s of prefill elsewhere
+    req = request(prompt("context", blocks=10))  # 160 tokens: 0.32 s elsewhere, its evictions included
     holder = idle_fleet(KEYS[:2]).endpoints[0]
     policy.record(req, holder)
     full = state(holder.key, waiting=waiting, running=4, kv_cache_usage=0.95, block_size=16, num_gpu_blocks=1000,
                  stale=False, scraped_at=1.0)  # 800 free tokens: the request's own would fit
     assert RequestCost(config).seconds(req, {holder.key: 160}, full) == pytest.approx((waiting + 1) * 0.05)
     decision = policy.pick(req, fleet_of(full, state(KEYS[1])))
-    assert decision.endpoint.key == (holder.key if waiting == 1 else KEYS[1])  # 2 x 0.05 s < 0.16 s < 5 x 0.05 s
+    assert decision.endpoint.key == (holder.key if waiting == 1 else KEYS[1])  # 2 x 0.05 s < 0.32 s < 7 x 0.05 s
 
 
 def test_matched_tokens_from_any_index_rank_the_same_way() -> None:

@@ -1,7 +1,8 @@
 """The default policy: send each request where it costs least, placing prefixes nobody holds by rendezvous.
 
 The cost (policies/cost.py) is the time to first token a replica would add: the prefill of the prompt
-tokens it does not hold, plus queueing behind what it runs and waits for. Cache matches are in tokens
+tokens it does not hold (twice for those another replica holds: storing them again evicts as many of other
+prefixes), plus queueing behind what it runs and waits for. Cache matches are in tokens
 (`Cycle.matched_tokens`), so any index that can say how many leading prompt tokens a replica holds can
 feed the same decision.
 

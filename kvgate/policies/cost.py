@@ -1,7 +1,14 @@
 """What a replica would cost a request, in seconds of time to first token: prefill it must redo, queueing it must wait.
 
-    cost(replica) = uncached prompt tokens / prefill_tokens_per_second
+    cost(replica) = (uncached prompt tokens + duplicated tokens) / prefill_tokens_per_second
                   + requests ahead of it in the replica's queue x queue_seconds_per_request
+
+Duplicated tokens are the leading prompt tokens another candidate already holds and this one would store
+again: what a request moved off the replica holding its context re-prefills. A replica's KV cache is full once
+it has turned over (prefix caching keeps every freed block until it is needed), so storing them evicts as many
+tokens of other prefixes, which their own requests then prefill again: a move costs its prefill twice, once now
+for this request and once later for someone else. Context nobody holds yet duplicates nothing, so where new
+context is placed does not change.
 
 A sequence the replica merely runs (a seat is free) lengthens each engine step by a fraction of a
 millisecond: no term for it, since it would turn every tie between replicas holding the same context
@@ -64,8 +71,11 @@ class RequestCost:
         self._config = config
 
     def seconds(self, request: RequestInfo, matched_tokens: Mapping[str, int], state: EndpointState) -> float:
-        """Prefill of the tokens the replica does not hold plus queueing behind what it runs and waits for."""
+        """Prefill of the tokens the replica does not hold, and again of those another holds (the evictions storing
+        them again causes), plus queueing behind what it runs and waits for."""
         config = self._config
-        uncached = max(0, prompt_tokens(request, config) - matched_tokens.get(state.key, 0))
-        return (uncached / config.prefill_tokens_per_second
+        held = matched_tokens.get(state.key, 0)
+        uncached = max(0, prompt_tokens(request, config) - held)
+        duplicated = max(0, max(matched_tokens.values(), default=0) - held)
+        return ((uncached + duplicated) / config.prefill_tokens_per_second
                 + requests_ahead(state, uncached) * config.queue_seconds_per_request)
