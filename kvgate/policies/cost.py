@@ -7,8 +7,9 @@ Duplicated tokens are the leading prompt tokens another candidate already holds 
 again: what a request moved off the replica holding its context re-prefills. A replica's KV cache is full once
 it has turned over (prefix caching keeps every freed block until it is needed), so storing them evicts as many
 tokens of other prefixes, which their own requests then prefill again: a move costs its prefill twice, once now
-for this request and once later for someone else. Context nobody holds yet duplicates nothing, so where new
-context is placed does not change.
+for this request and once later for someone else. A prefix nobody holds yet duplicates nothing, so where it is
+placed does not change; a tenant's new conversation, whose home is taken to hold the tenant's system prompt,
+leaves that home only for a queue worth twice that prompt's prefill, as a move does.
 
 A sequence the replica merely runs (a seat is free) lengthens each engine step by a fraction of a
 millisecond: no term for it, since it would turn every tie between replicas holding the same context
