@@ -23,7 +23,7 @@ to read each one off a replica's own /metrics.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvgate.endpoints.types import EndpointState
 from kvgate.policies.capacity import occupied
@@ -74,9 +74,17 @@ class RequestCost:
     def seconds(self, request: RequestInfo, matched_tokens: Mapping[str, int], state: EndpointState) -> float:
         """Prefill of the tokens the replica does not hold, and again of those another holds (the evictions storing
         them again causes), plus queueing behind what it runs and waits for."""
+        return self.seconds_each(request, matched_tokens, (state,))[state.key]
+
+    def seconds_each(self, request: RequestInfo, matched_tokens: Mapping[str, int],
+                     states: Sequence[EndpointState]) -> dict[str, float]:
+        """`seconds` for each replica, the prompt's length and the most any candidate holds computed once."""
         config = self._config
-        held = matched_tokens.get(state.key, 0)
-        uncached = max(0, prompt_tokens(request, config) - held)
-        duplicated = max(0, max(matched_tokens.values(), default=0) - held)
-        return ((uncached + duplicated) / config.prefill_tokens_per_second
-                + requests_ahead(state, uncached) * config.queue_seconds_per_request)
+        prompt, most = prompt_tokens(request, config), max(matched_tokens.values(), default=0)
+        costs = {}
+        for state in states:
+            held = matched_tokens.get(state.key, 0)
+            uncached = max(0, prompt - held)
+            costs[state.key] = ((uncached + max(0, most - held)) / config.prefill_tokens_per_second
+                                + requests_ahead(state, uncached) * config.queue_seconds_per_request)
+        return costs

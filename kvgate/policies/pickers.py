@@ -29,9 +29,10 @@ class LowestCostPicker:
     def rank(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[EndpointState]:
         """Candidates by cost ascending, then the assigned home, then by rendezvous weight descending."""
 
+        costs = self._cost.seconds_each(cycle.request, cycle.matched_tokens, candidates)
+
         def order(state: EndpointState) -> tuple[int, bool, int, str]:
-            seconds = self._cost.seconds(cycle.request, cycle.matched_tokens, state)
-            return (round(seconds / COST_RESOLUTION_SECONDS), state.key != cycle.home,
+            return (round(costs[state.key] / COST_RESOLUTION_SECONDS), state.key != cycle.home,
                     -rendezvous_weight(cycle.placement_key, state.key), state.key)
 
         return sorted(candidates, key=order)
