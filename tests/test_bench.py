@@ -51,7 +51,8 @@ from kvgate.simulator import SimOptions, add_sim_arguments, sim_options_from_arg
 from tests.bench_run import run_bench
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-EXPECTED_ROWS = ["oracle", "round-robin", "cache-aware", "prefix-hash", "least-load", "cache-aware x3"]
+EXPECTED_ROWS = ["oracle", "round-robin", "cache-aware", "prefix-hash", "least-load", "cache-aware x3",
+                 "cache-aware x3 shared"]
 
 
 def test_conversations_are_deterministic_and_zipf_favours_the_first_tenant() -> None:
@@ -154,8 +155,8 @@ def test_precise_mode_adds_the_pressure_oracle_and_precise_rows(tmp_path: Path) 
     settings = BenchSettings(loads=(load,), replicas=3, policies=("cache-aware",), gateways=3, externals=(),
                              cache_fraction=0.4, sim=SimOptions(), out_dir=tmp_path, tokenizer_dir=tmp_path / "model")
     names = [plan.name for plan in plan_rows(settings)]
-    assert names == ["oracle", PRESSURE_ORACLE, "round-robin", "cache-aware", "cache-aware x3",
-                     "cache-aware precise", "cache-aware precise x3"]
+    assert names == ["oracle", PRESSURE_ORACLE, "round-robin", "cache-aware", "cache-aware x3", "cache-aware x3 shared",
+                     "cache-aware precise", "cache-aware precise x3", "cache-aware precise x3 shared"]
     fleet = settings.fleet_options(load)
     pressure = pressure_oracle_options(fleet, settings.replicas)
     assert fleet.kv_events and fleet.tokenizer == str(tmp_path / "model")
@@ -249,7 +250,8 @@ def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_pat
         assert 0 < row["ttft_p50"] <= row["ttft_p99"]
         assert abs(sum(row["replica_shares"]) - 1.0) < 1e-9
     assert rows["cache-aware"]["hit_rate"] > rows["round-robin"]["hit_rate"]
-    for name in ("round-robin", "cache-aware", "cache-aware x3"):  # every request routed once, counted by reason
+    # every request routed once, counted by reason (a decision learned from a peer gateway is no decision)
+    for name in ("round-robin", "cache-aware", "cache-aware x3", "cache-aware x3 shared"):
         assert sum(rows[name]["decisions"].values()) == rows[name]["requests"]
     assert rows["round-robin"]["decisions"].keys() == {"round_robin"} and rows["oracle"]["decisions"] == {}
     assert rows["oracle"]["hit_rate"] >= rows["round-robin"]["hit_rate"]

@@ -10,6 +10,7 @@ from kvgate.loadtest.picker import (
     PROXY,
     QUICK,
     ROUTING_ROWS,
+    SHARED,
     TWO_PICKERS,
     render_markdown,
     run_picker,
@@ -27,6 +28,8 @@ async def test_quick_run_measures_every_row_and_renders_the_targets(envoy_binary
     assert routing[PROXY]["hit_rate"] > routing[ENVOY]["hit_rate"]
     # pickers following the replicas' KV events route by what the replicas hold, whichever picker Envoy asks
     assert routing[TWO_PICKERS + PRECISE]["hit_rate"] > routing[ENVOY]["hit_rate"]
+    # and so do pickers that tell each other where they sent each request
+    assert routing[TWO_PICKERS + SHARED]["hit_rate"] > routing[ENVOY]["hit_rate"]
     assert cost[ENVOY]["kvgate_cpu_ms_per_request"] is None and cost[PICKER]["kvgate_cpu_ms_per_request"] is not None
     markdown = render_markdown(report)
     assert "added TTFB of the picker path over Envoy alone" in markdown and markdown.count("\n| ") >= 8

@@ -325,7 +325,7 @@ def test_selectors_select_their_pods(built: list[dict[str, Any]]) -> None:
     selectors += [p["spec"]["selector"]["matchLabels"] for p in of_kind(built, "InferencePool")]
     for selector in selectors:
         assert [name for name, labels in pods.items() if matches(selector, labels)], selector
-    assert len(selectors) == 5 + 2 * len(of_kind(built, "InferencePool"))  # a pool and its picker Service
+    assert len(selectors) == 6 + 2 * len(of_kind(built, "InferencePool"))  # a pool and its picker Service
 
 
 def test_workload_labels_follow_one_scheme(built: list[dict[str, Any]]) -> None:
@@ -354,6 +354,10 @@ def test_gateway_ports_match_its_listen_settings(built: list[dict[str, Any]]) ->
     ports = {p["name"]: p["containerPort"] for p in container(deployment, GATEWAY)["ports"]}
     assert ports["http"] == port_of(kvgate_setting(built, "listen"))
     assert ports["admin"] == port_of(kvgate_setting(built, "admin_listen"))
+    assert ports["peers"] == port_of(kvgate_setting(built, "peer_listen"))
+    peers = find_obj(built, "Service", kvgate_setting(built, "peer_service"))  # each replica's peers: all the pods
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"] is True
+    assert [(p["name"], p["targetPort"]) for p in peers["spec"]["ports"]] == [("peers", "peers")]
     annotations = deployment["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert int(annotations["prometheus.io/port"]) == ports["admin"]
@@ -388,7 +392,8 @@ def test_grace_period_outlasts_prestop_and_drain(built: list[dict[str, Any]]) ->
 
 def test_role_grants_only_the_reads_its_discovery_needs_to_the_gateway(built: list[dict[str, Any]]) -> None:
     (role,) = of_kind(built, "Role")
-    assert role["rules"] == (POOL_READS if kvgate_setting(built, "discovery") == "inferencepool" else SLICE_READS)
+    reads = POOL_READS + SLICE_READS if kvgate_setting(built, "discovery") == "inferencepool" else SLICE_READS
+    assert role["rules"] == reads  # the replicas' and the peers' (kvgate-peers) slices
     assert not of_kind(built, "ClusterRole") and not of_kind(built, "ClusterRoleBinding")
     (binding,) = of_kind(built, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",

@@ -25,6 +25,7 @@ from kvgate.loadtest.kit.processes import (
     HOST,
     ChildProcess,
     free_ports,
+    peer_flags,
     running,
     start_gateway,
     start_sim_fleet,
@@ -53,7 +54,9 @@ from kvgate.simulator import SimOptions
 PROXY, ENVOY = "kvgate proxy", "Envoy round-robin"
 PICKER, TWO_PICKERS = "Envoy + kvgate picker", "Envoy + 2 kvgate pickers"
 PRECISE = ", precise"  # suffix of the rows whose kvgates route on the replicas' KV events
-ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS, PROXY + PRECISE, PICKER + PRECISE, TWO_PICKERS + PRECISE)
+SHARED = ", shared"  # suffix of the rows whose kvgates share their routing decisions (--peer-listen, --peers)
+ROUTING_ROWS = (PROXY, ENVOY, PICKER, TWO_PICKERS, TWO_PICKERS + SHARED, PROXY + PRECISE, PICKER + PRECISE,
+                TWO_PICKERS + PRECISE)
 _T = TypeVar("_T")
 COST_ROWS = (ENVOY, PICKER, PROXY)
 REPLICAS = 3
@@ -84,16 +87,18 @@ QUICK = Plan(dataclasses.replace(QUICK_WORKLOAD, duration=5.0, conversations=12)
 async def routed(row: str, replicas: Sequence[str], envoy: Path, log_dir: Path,
                  flags: Sequence[str] = ()) -> AsyncIterator[tuple[str, list[ChildProcess], list[str]]]:
     """What routes `row` in front of `replicas` (kvgate with `flags`): the clients' URL, the kvgates and their URLs."""
-    kind = row.removesuffix(PRECISE)
+    kind = row.removesuffix(PRECISE).removesuffix(SHARED)
     async with AsyncExitStack() as stack:
         gateways: list[ChildProcess] = []
         urls: list[str] = []
         pickers = {PICKER: 1, TWO_PICKERS: 2}.get(kind, 0)
         ports = free_ports(pickers)
-        for n in range(max(pickers, kind == PROXY)):
+        count = max(pickers, kind == PROXY)
+        peers = peer_flags(count) if row.endswith(SHARED) else [[]] * count
+        for n in range(count):
             extra = ["--picker-listen", f"{HOST}:{ports[n]}"] if pickers else []
             child, url = await start_gateway(f"{row}-{n}".replace(" ", "").replace(",", ""), replicas,
-                                             ["--policy", POLICY, *extra, *flags], log_dir)
+                                             ["--policy", POLICY, *extra, *peers[n], *flags], log_dir)
             stack.push_async_callback(child.stop)
             gateways.append(child)
             urls.append(url)
@@ -238,7 +243,8 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     lines += ["", f"- hit rate, picker vs proxy: {gap(PICKER, PROXY)}, precise "
                   f"{gap(PICKER + PRECISE, PROXY + PRECISE)} (target: within 1)",
-              f"- hit rate, two pickers vs one: {gap(TWO_PICKERS, PICKER)}, precise "
+              f"- hit rate, two pickers vs one: {gap(TWO_PICKERS, PICKER)}, sharing decisions "
+              f"{gap(TWO_PICKERS + SHARED, PICKER)}, precise "
               f"{gap(TWO_PICKERS + PRECISE, PICKER + PRECISE)} (target: within 1)",
               f"- added TTFB of the picker path over Envoy alone, p50: {added:.2f} ms (target: < 2 ms)",
               f"- per streamed chunk through the picker path: "

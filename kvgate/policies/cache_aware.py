@@ -93,16 +93,8 @@ class CacheAwarePolicy:
             return None
         self._window = balance_window(len(candidates), self._config.load_bound)
         matched, all_precise = self.matched_tokens(request, candidates, fleet.now)
-        per_block = tokens_per_block(self._config)
         everywhere = min(matched.values())
-        # A chat's anchor and the block straddling its end (the next message's role and first words, which many
-        # conversations share) are what a tenant's conversations have in common, not any conversation's own.
-        shared = max(everywhere, round((request.anchor_blocks + 1) * per_block)) if request.anchor_blocks \
-            else everywhere
-        depth = request.anchor_blocks or int(everywhere / per_block) + self._config.affinity_blocks
-        if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
-            depth = min(depth, request.opening_blocks)
-        key = placement_key(request, depth)
+        key, shared = self._placement_key(request, everywhere)
         tenants = self._tenants.setdefault(request.model, TenantPlacement())
         tenants.observe(key, self._window)
         if any(tokens > shared for tokens in matched.values()):
@@ -134,6 +126,19 @@ class CacheAwarePolicy:
             reason = self._reason(cycle, ranked[0], candidates)
         return self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason)
 
+    def _placement_key(self, request: RequestInfo, everywhere: int) -> tuple[int, int]:
+        """The request's placement key, and the leading tokens no choice gains from (`everywhere`: what every
+        candidate holds)."""
+        per_block = tokens_per_block(self._config)
+        # A chat's anchor and the block straddling its end (the next message's role and first words, which many
+        # conversations share) are what a tenant's conversations have in common, not any conversation's own.
+        shared = max(everywhere, round((request.anchor_blocks + 1) * per_block)) if request.anchor_blocks \
+            else everywhere
+        depth = request.anchor_blocks or int(everywhere / per_block) + self._config.affinity_blocks
+        if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
+            depth = min(depth, request.opening_blocks)
+        return placement_key(request, depth), shared
+
     @staticmethod
     def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> str:
         matched = cycle.matched_tokens
@@ -153,6 +158,18 @@ class CacheAwarePolicy:
         if self.precise is not None and request.token_ids:
             self.precise.hold(chosen.key, chosen.metrics.block_size, request.token_ids, request.model,
                               request.cache_salt)
+
+    def learn(self, request: RequestInfo, chosen: EndpointState, fleet: FleetSnapshot) -> None:
+        """Another gateway sent `request` to `chosen`: believe what it caches there, count its recent request and
+        its tenant's popularity as if this gateway had placed it, so that every gateway follows the same state."""
+        candidates = fleet.candidates(request.model)
+        if all(state.key != chosen.key for state in candidates):
+            return
+        self._window = balance_window(len(candidates), self._config.load_bound)
+        matched, _ = self.matched_tokens(request, candidates, fleet.now)
+        key, _ = self._placement_key(request, min(matched.values()))
+        self._tenants.setdefault(request.model, TenantPlacement()).observe(key, self._window)
+        self.record(request, chosen)
 
     def forget(self, endpoint_key: str) -> None:
         """Drop what the approximate index believes an endpoint holds (it left, or its cache may be gone), and its

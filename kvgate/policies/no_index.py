@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from kvgate.endpoints.types import EndpointState
+from kvgate.endpoints.types import EndpointState, FleetSnapshot
 from kvgate.policies.types import RequestInfo
 
 
 class NoPrefixIndex:
-    """No-op record/forget and an empty index, for policies whose choices need no record of past requests."""
+    """No-op record/learn/forget and an empty index, for policies whose choices need no record of past requests."""
 
     def record(self, request: RequestInfo, chosen: EndpointState) -> None:
         """Nothing to learn."""
+
+    def learn(self, request: RequestInfo, chosen: EndpointState, fleet: FleetSnapshot) -> None:
+        """Nothing to learn from other gateways either."""
 
     def forget(self, endpoint_key: str) -> None:
         """Nothing to drop."""

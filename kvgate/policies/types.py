@@ -54,6 +54,10 @@ class Policy(Protocol):
         """Note that `request` was sent to `chosen` (prefix index, rotation state)."""
         ...
 
+    def learn(self, request: RequestInfo, chosen: EndpointState, fleet: FleetSnapshot) -> None:
+        """Note that another gateway sent `request` to `chosen` (router/peers.py), as `record` does for this one's."""
+        ...
+
     def forget(self, endpoint_key: str) -> None:
         """Drop all state about an endpoint that left the fleet."""
         ...

@@ -51,10 +51,14 @@ _HELP = {
     "kv_events_replay_timeout": "seconds to wait for one replayed batch",
     "kv_events_hold": "seconds a routed prompt's blocks count as held before the engine reports them",
     "kv_events_max_blocks": "bound on the precise index, in blocks, all replicas together",
+    "peer_listen": "HOST:PORT publishing this gateway's routing decisions to its peers (ZMQ PUB); off when unset",
+    "peers": "HOST:PORT of another gateway replica's --peer-listen, whose decisions this one learns (repeatable)",
+    "peer_service": "Kubernetes Service (in --namespace) whose EndpointSlices list the gateway pods, port named "
+                    "'peers': learn the decisions of every one of them",
     "tokenizer": "MODEL=DIR: tokenize MODEL's requests with DIR's tokenizer.json and chat template (repeatable)",
     "tokenize_offload_bytes": "prompts above this many bytes are tokenized off the event loop",
 }
-_REPEATABLE = ("service", "kv_events_endpoint", "kv_events_replay_endpoint", "tokenizer")
+_REPEATABLE = ("service", "kv_events_endpoint", "kv_events_replay_endpoint", "tokenizer", "peers")
 
 
 def _flag(name: str) -> str:

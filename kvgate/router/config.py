@@ -66,6 +66,9 @@ class GatewayConfig:
     kv_events_replay_timeout: float = 2.0  # longest wait for one replayed batch
     kv_events_hold: float = 30.0  # seconds a routed prompt's blocks count as held until the engine reports storing them
     kv_events_max_blocks: int = 1_000_000  # precise index bound, all replicas together (~260 B each: ~260 MB)
+    peer_listen: str | None = None  # HOST:PORT publishing this gateway's routing decisions to the other gateways
+    peers: tuple[str, ...] = ()  # HOST:PORT of the other gateways' peer_listen: learn their decisions
+    peer_service: str | None = None  # headless Service (in `namespace`) over the gateway pods, port named "peers"
     tokenizer: tuple[str, ...] = ()  # MODEL=DIR: tokenize that model's requests as vLLM does (precise routing)
     tokenize_offload_bytes: int = 16384  # prompts larger than this are tokenized on a worker thread
     routing: RoutingConfig = field(default_factory=RoutingConfig)
@@ -87,6 +90,16 @@ class GatewayConfig:
     def picker_address(self) -> tuple[str, int] | None:
         """`picker_listen` split into host and port, if set."""
         return split_host_port(self.picker_listen, "picker_listen") if self.picker_listen else None
+
+    @property
+    def peer_address(self) -> tuple[str, int] | None:
+        """`peer_listen` split into host and port, if set."""
+        return split_host_port(self.peer_listen, "peer_listen") if self.peer_listen else None
+
+    @property
+    def peer_addresses(self) -> list[tuple[str, int]]:
+        """`peers`, each split into host and port."""
+        return [split_host_port(peer, "peers") for peer in self.peers]
 
 
 def split_host_port(value: str, name: str) -> tuple[str, int]:
@@ -217,6 +230,8 @@ def validate(config: GatewayConfig) -> None:
     config.listen_address
     config.admin_address
     config.picker_address
+    config.peer_address
+    config.peer_addresses
     if config.discovery not in ("static", "kubernetes", "inferencepool"):
         raise ConfigError(f"discovery: expected 'static', 'kubernetes' or 'inferencepool', got {config.discovery!r}")
     if config.discovery == "static" and not config.endpoints:

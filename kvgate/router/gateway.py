@@ -27,6 +27,7 @@ from kvgate.router.auth import CREDENTIAL_HEADERS, ApiKeyStore
 from kvgate.router.config import ConfigError, GatewayConfig, tokenizer_dirs
 from kvgate.router.http_sessions import HttpSessions
 from kvgate.router.metrics import FleetCollector, GatewayMetrics, KvEventsCollector
+from kvgate.router.peers import PEERS_PORT_NAME, DecisionPeers
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.proxy import Forwarder, UpstreamTimeouts
 from kvgate.router.ratelimit import RateLimiter
@@ -53,6 +54,16 @@ def default_discovery(config: GatewayConfig) -> Discovery:
         assert config.pool is not None
         return InferencePoolWatcher(config.namespace, config.pool, WatchSettings(config.watch_read_timeout))
     return StaticDiscovery(parse_endpoint_urls(config.endpoints))
+
+
+def peer_discovery(config: GatewayConfig) -> Discovery | None:
+    """The other gateway replicas' pods, from the EndpointSlices of `peer_service` (port "peers"), if set."""
+    if config.peer_service is None:
+        return None
+    from kvgate.endpoints.kubernetes import EndpointSliceWatcher
+
+    return EndpointSliceWatcher(config.namespace, config.peer_service, port_name=PEERS_PORT_NAME,
+                                read_timeout_s=config.watch_read_timeout)
 
 
 class Gateway:
@@ -85,7 +96,11 @@ class Gateway:
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
                                         self.preemption)
-        self.forwarder = Forwarder(self.sessions.proxy, self.fleet, self.policy, self.metrics,
+        self.peers = DecisionPeers(config.peer_address, config.peer_addresses, self.policy, self.fleet.snapshot,
+                                   lambda event: self.metrics.peer_decisions.labels(event).inc(),
+                                   peer_discovery(config)) \
+            if config.peer_listen or config.peers or config.peer_service else None
+        self.forwarder = Forwarder(self.sessions.proxy, self.fleet, self.routed, self.metrics,
                                    UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
                                                     config.request_timeout),
                                    dropped_headers=CREDENTIAL_HEADERS if self.keys else frozenset(),
@@ -104,6 +119,12 @@ class Gateway:
         self.scraper.add_start_listener(self.fleet.scrape_started)
         self.scraper.add_result_listener(self._scraped)
         self.scraper.add_round_listener(self.admission.refresh)
+
+    def routed(self, request: RequestInfo, chosen: EndpointState) -> None:
+        """`request` goes to `chosen`: the policy learns it, and so do the peer gateways."""
+        self.policy.record(request, chosen)
+        if self.peers is not None:
+            self.peers.publish(request, chosen.key)
 
     def _endpoints_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery changed the replicas: scrape, list and follow the new set, and dispatch what now fits."""
@@ -130,16 +151,19 @@ class Gateway:
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """aiohttp cleanup_ctx: open the HTTP sessions and start the background tasks, then stop both after the drain."""
-        if self.config.discovery in ("kubernetes", "inferencepool"):
+        if self.config.discovery in ("kubernetes", "inferencepool") or self.config.peer_service:
             from kvgate.endpoints.kubernetes import load_kubernetes_config
 
             await load_kubernetes_config()
+        if self.peers is not None:
+            self.peers.open()
         async with self.sessions.opened():
             tasks = [asyncio.create_task(coro, name=name) for name, coro in (
                 ("discovery", self.discovery.run(self.fleet.apply)),
                 ("scraper", self.scraper.run()),
                 ("models", self.models.run()),
                 *((("api-keys", self.keys.run()),) if self.keys else ()),
+                *((("peers", self.peers.run()),) if self.peers else ()),
             )]
             try:
                 yield
@@ -149,6 +173,8 @@ class Gateway:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 if self.kv_events is not None:
                     await self.kv_events.close()
+                if self.peers is not None:
+                    self.peers.close()
 
     def _kv_event_subscriber(self, precise: PrecisePrefixIndex) -> KvEventSubscriber:
         """Follows every replica's KV events; a replica whose connection drops loses the approximate belief too."""
@@ -212,4 +238,6 @@ class Gateway:
                     "blocks": self.precise.total_blocks, "bytes": self.precise.approx_bytes,
                     "dropped_blocks": self.precise.dropped_blocks},
                 "discovery": dataclasses.asdict(self.discovery.status), "endpoints": endpoints,
+                "peers": None if self.peers is None else {"origin": self.peers.origin,
+                                                          "subscribed": self.peers.subscribed},
                 "queue": self.admission.describe()}

@@ -46,6 +46,9 @@ class GatewayMetrics:
                                 ["status", "param"], registry=r)
         self.auth_failures = Counter("kvgate_auth_failures", "Requests refused with 401, by reason (missing, invalid)",
                                      ["reason"], registry=r)
+        self.peer_decisions = Counter("kvgate_peer_decisions", "Routing decisions shared with the other gateway "
+                                      "replicas, by event (published, dropped, learned, unknown_replica, invalid)",
+                                      ["event"], registry=r)
         self.picker_messages = Counter("kvgate_picker_messages", "ext_proc messages the endpoint picker received, by "
                                        "kind (request_headers, request_body, response_headers, ...)", ["kind"],
                                        registry=r)

@@ -206,7 +206,7 @@ class PickerStream:
         key = self._replica = state.key
         gateway.fleet.acquire(key)
         gateway.metrics.in_flight.labels(key).inc()
-        gateway.policy.record(self._parsed.info, state)
+        gateway.routed(self._parsed.info, state)
         self._held.callback(self._release_once, key)
 
     def _release_once(self, key: str) -> None:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.types import Policy
+from kvgate.policies.types import RequestInfo
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.headers import forwardable
 from kvgate.router.metrics import GatewayMetrics
@@ -72,12 +72,13 @@ class Retryable(Exception):
 class Forwarder:
     """Sends a request to one replica and relays its answer chunk by chunk."""
 
-    def __init__(self, session: Callable[[], aiohttp.ClientSession], fleet: Fleet, policy: Policy,
+    def __init__(self, session: Callable[[], aiohttp.ClientSession], fleet: Fleet,
+                 routed: Callable[[RequestInfo, EndpointState], None],
                  metrics: GatewayMetrics, timeouts: UpstreamTimeouts, dropped_headers: frozenset[str] = frozenset(),
                  preemption: PreemptionRegistry | None = None) -> None:
         self._session = session
         self._fleet = fleet
-        self._policy = policy
+        self._routed = routed  # the policy (and the peer gateways) learn where a request went
         self._metrics = metrics
         self._timeout = timeouts.client_timeout()
         # The gateway's own credentials never reach a replica, nor Content-Encoding: the server already
@@ -94,7 +95,7 @@ class Forwarder:
         """
         key = target.key
         self._fleet.acquire(key)
-        self._policy.record(request.info, target)
+        self._routed(request.info, target)
         gauge = self._metrics.in_flight.labels(key)
         gauge.inc()
         upstream: aiohttp.ClientResponse | None = None

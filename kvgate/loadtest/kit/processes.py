@@ -222,6 +222,13 @@ async def start_gateway(name: str, endpoints: Sequence[str], flags: Sequence[str
     return child, url
 
 
+def peer_flags(count: int) -> list[list[str]]:
+    """`kvgate serve` flags for each of `count` gateways that share their routing decisions (router/peers.py)."""
+    addresses = [f"{HOST}:{port}" for port in free_ports(count)]
+    return [["--peer-listen", own, *(flag for peer in addresses if peer != own for flag in ("--peers", peer))]
+            for own in addresses]
+
+
 async def start_stub(name: str, replicas: int, log_dir: Path, cpu: int | None = None) -> tuple[ChildProcess, list[str]]:
     """Instant stub replicas (kit/stub.py) in one process; the process and the replica URLs once they answer."""
     ports = free_ports(replicas)

@@ -42,6 +42,7 @@ class RowPlan:
     gateways: int = 1  # kvgate processes sharing the traffic by client-side round robin
     template: str | None = None  # external router command line
     precise: bool = False  # kvgate routes on the replicas' KV events (tokenizing as they do)
+    shared: bool = False  # the gateways share their routing decisions (kvgate serve --peer-listen / --peers)
 
     @property
     def is_baseline(self) -> bool:

@@ -21,7 +21,14 @@ from kvgate.loadtest.kit.counters import (
     sampling,
     sampling_load,
 )
-from kvgate.loadtest.kit.processes import ProcessError, running, start_external, start_gateway, start_sim_fleet
+from kvgate.loadtest.kit.processes import (
+    ProcessError,
+    peer_flags,
+    running,
+    start_external,
+    start_gateway,
+    start_sim_fleet,
+)
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import ChatLoad, Load
 from kvgate.loadtest.routing.report import (
@@ -88,12 +95,16 @@ def plan_rows(settings: BenchSettings) -> list[RowPlan]:
     scaled = f" x{settings.gateways}"
     if settings.gateways > 1:
         rows.append(RowPlan("cache-aware" + scaled, KVGATE, policy="cache-aware", gateways=settings.gateways))
+        rows.append(RowPlan(f"cache-aware{scaled} shared", KVGATE, policy="cache-aware", gateways=settings.gateways,
+                            shared=True))
     if settings.tokenizer_dir is not None:
         rows.insert(1, RowPlan(PRESSURE_ORACLE, PRESSURE_ORACLE))
         rows.append(RowPlan("cache-aware precise", KVGATE, policy="cache-aware", precise=True))
         if settings.gateways > 1:
             rows.append(RowPlan("cache-aware precise" + scaled, KVGATE, policy="cache-aware",
                                 gateways=settings.gateways, precise=True))
+            rows.append(RowPlan(f"cache-aware precise{scaled} shared", KVGATE, policy="cache-aware",
+                                gateways=settings.gateways, precise=True, shared=True))
     return rows + [RowPlan(name, EXTERNAL, template=template) for name, template in settings.externals]
 
 
@@ -182,10 +193,12 @@ async def _routers(plan: RowPlan, fleet: RunningFleet, log_dir: Path, load: Load
         urls: list[str] = []
         flags = [] if plan.policy is None else ["--policy", plan.policy]
         flags += fleet.precise_flags if plan.precise else []
-        for index in range(plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0):
+        count = plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0
+        peers = peer_flags(count) if plan.shared else [[]] * count
+        for index in range(count):
             name = f"{load.name}-{plan.name}-{index}".replace(" ", "")
             if plan.kind == KVGATE:
-                started = start_gateway(name, fleet.urls, flags, log_dir)
+                started = start_gateway(name, fleet.urls, [*flags, *peers[index]], log_dir)
             else:
                 started = start_external(name, plan.template or "", fleet.urls, log_dir)
             urls.append(await stack.enter_async_context(running(started)))
