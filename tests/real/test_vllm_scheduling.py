@@ -7,8 +7,10 @@ import asyncio
 import aiohttp
 import pytest
 
+from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from tests.real.conftest import MODEL
-from tests.real.engine_view import paused, scheduling_steps, send_in_order
+from tests.real.engine_view import paused, replayed_batches, scheduling_steps, send_in_order
+from tests.real.test_through_kvgate import chat
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,3 +39,35 @@ async def test_a_request_that_fits_waits_behind_one_whose_kv_blocks_are_not_free
     assert scheduled.keys() == lengths.keys(), scheduled
     assert scheduled["blocked"] > scheduled["holder1"] + 1, scheduled  # it waited while the holders decoded
     assert scheduled["small"] >= scheduled["blocked"], scheduled  # and the small one waited with it
+
+
+async def test_a_full_cache_evicts_as_much_as_it_stores_and_never_before_it_is_full(fresh_engines):
+    """Prefix caching keeps a finished request's blocks cached until their space is needed: nothing is evicted while
+    the cache has room, and once it is full every store evicts as many blocks as it stores.
+
+    kvgate prices a request moved off the replica holding its context with the evictions its second copy causes
+    (policies/cost.py, `duplicated`); that holds because a turned-over cache is always full.
+    """
+    engine = fresh_engines[0]
+    async with aiohttp.ClientSession() as session:
+        for tenant in range(20):  # 20 distinct prompts of ~900 tokens (7 blocks of 128) against 48 blocks
+            async with session.post(engine.url + "/v1/chat/completions",
+                                    json=chat(200 + tenant, ["Hello."], max_tokens=2)) as response:
+                assert response.status == 200, await response.text()
+    events = [event for batch in await replayed_batches(engine) for event in batch.events]
+    since_reset = len(events) - next(i for i, event in enumerate(reversed(events)) if isinstance(event, AllBlocksCleared))
+    held, history, first_removal = 0, [], None
+    for event in events[since_reset:]:
+        if isinstance(event, BlockStored):
+            held += len(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            if first_removal is None:
+                first_removal = held
+            held -= len(event.block_hashes)
+        history.append((held, first_removal is not None))
+    peak = max(count for count, _ in history)
+    per_prompt = 8  # blocks one request stores, at most
+    assert first_removal is not None and peak <= 48
+    assert first_removal >= peak - per_prompt  # nothing evicted while there was room
+    assert min(count for count, evicting in history if evicting) >= peak - 2 * per_prompt  # the cache stays full
+    assert held >= peak - per_prompt
