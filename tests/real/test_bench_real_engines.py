@@ -13,8 +13,8 @@ import pytest
 
 from tests.bench_run import run_bench
 
-ROWS = ["oracle", "pressure oracle", "round-robin", "cache-aware", "cache-aware x2", "cache-aware precise",
-        "cache-aware precise x2"]
+ROWS = ["oracle", "pressure oracle", "round-robin", "cache-aware", "cache-aware x2", "cache-aware x2 shared",
+        "cache-aware precise", "cache-aware precise x2", "cache-aware precise x2 shared"]
 
 
 @pytest.mark.timeout(600)
