@@ -94,7 +94,7 @@ async def routed(row: str, replicas: Sequence[str], envoy: Path, log_dir: Path,
         pickers = {PICKER: 1, TWO_PICKERS: 2}.get(kind, 0)
         ports = free_ports(pickers)
         count = max(pickers, kind == PROXY)
-        peers = peer_flags(count) if row.endswith(SHARED) else [[]] * count
+        peers = peer_flags(count, row.endswith(SHARED))
         for n in range(count):
             extra = ["--picker-listen", f"{HOST}:{ports[n]}"] if pickers else []
             child, url = await start_gateway(f"{row}-{n}".replace(" ", "").replace(",", ""), replicas,

@@ -37,6 +37,8 @@ leading prompt tokens it really holds; elsewhere, the approximate index's belief
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from kvgate.endpoints.types import EndpointState, FleetSnapshot
 from kvgate.policies.balance import RecentRequests, balance_window
 from kvgate.policies.config import RoutingConfig
@@ -48,6 +50,17 @@ from kvgate.policies.profile import continuation_profile, placement_profile
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.tenants import TenantPlacement
 from kvgate.policies.types import Decision, RequestInfo
+
+
+class Observation(NamedTuple):
+    """A request as a decision sees it: each candidate's match, the placement key, the leading tokens no choice
+    gains from, and the model's tenant map."""
+
+    matched: dict[str, int]
+    all_precise: bool  # every candidate's match came from its KV events
+    key: int
+    shared: int
+    tenants: TenantPlacement
 
 
 def _carries_history(request: RequestInfo) -> bool:
@@ -91,12 +104,8 @@ class CacheAwarePolicy:
         candidates = fleet.candidates(request.model)
         if not candidates:
             return None
-        self._window = balance_window(len(candidates), self._config.load_bound)
-        matched, all_precise = self.matched_tokens(request, candidates, fleet.now)
+        matched, all_precise, key, shared, tenants = self._observe(request, candidates, fleet.now)
         everywhere = min(matched.values())
-        key, shared = self._placement_key(request, everywhere)
-        tenants = self._tenants.setdefault(request.model, TenantPlacement())
-        tenants.observe(key, self._window)
         if any(tokens > shared for tokens in matched.values()):
             cycle, profile = Cycle(request, key, matched), self._continuation
         else:
@@ -126,10 +135,12 @@ class CacheAwarePolicy:
             reason = self._reason(cycle, ranked[0], candidates)
         return self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason)
 
-    def _placement_key(self, request: RequestInfo, everywhere: int) -> tuple[int, int]:
-        """The request's placement key, and the leading tokens no choice gains from (`everywhere`: what every
-        candidate holds)."""
-        per_block = tokens_per_block(self._config)
+    def _observe(self, request: RequestInfo, candidates: tuple[EndpointState, ...], now: float) -> Observation:
+        """What a decision about `request` starts from, with the request counted in its tenant's popularity: this
+        gateway's own decisions and its peers' (`learn`) alike."""
+        self._window = balance_window(len(candidates), self._config.load_bound)
+        matched, all_precise = self.matched_tokens(request, candidates, now)
+        everywhere, per_block = min(matched.values()), tokens_per_block(self._config)
         # A chat's anchor and the block straddling its end (the next message's role and first words, which many
         # conversations share) are what a tenant's conversations have in common, not any conversation's own.
         shared = max(everywhere, round((request.anchor_blocks + 1) * per_block)) if request.anchor_blocks \
@@ -137,7 +148,10 @@ class CacheAwarePolicy:
         depth = request.anchor_blocks or int(everywhere / per_block) + self._config.affinity_blocks
         if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
             depth = min(depth, request.opening_blocks)
-        return placement_key(request, depth), shared
+        key = placement_key(request, depth)
+        tenants = self._tenants.setdefault(request.model, TenantPlacement())
+        tenants.observe(key, self._window)
+        return Observation(matched, all_precise, key, shared, tenants)
 
     @staticmethod
     def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> str:
@@ -165,10 +179,7 @@ class CacheAwarePolicy:
         candidates = fleet.candidates(request.model)
         if all(state.key != chosen.key for state in candidates):
             return
-        self._window = balance_window(len(candidates), self._config.load_bound)
-        matched, _ = self.matched_tokens(request, candidates, fleet.now)
-        key, _ = self._placement_key(request, min(matched.values()))
-        self._tenants.setdefault(request.model, TenantPlacement()).observe(key, self._window)
+        self._observe(request, candidates, fleet.now)
         self.record(request, chosen)
 
     def forget(self, endpoint_key: str) -> None:

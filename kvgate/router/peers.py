@@ -45,7 +45,7 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
     origin: str  # the publishing gateway's random id
     replica: str  # the endpoint key it chose
     model: str
-    block_hashes: list[int]
+    block_hashes: tuple[int, ...]
     anchor_blocks: int
     opening_blocks: int
     prompt_chars: int
@@ -54,12 +54,12 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def of(cls, origin: str, request: RequestInfo, replica: str) -> SharedDecision:
         """The decision to send `request` to `replica`."""
-        return cls(origin, replica, request.model, list(request.block_hashes), request.anchor_blocks,
+        return cls(origin, replica, request.model, request.block_hashes, request.anchor_blocks,
                    request.opening_blocks, request.prompt_chars, request.cache_salt)
 
     def request(self) -> RequestInfo:
         """The request as routing reads it (no token ids: a peer's prompt is not tokenized here)."""
-        return RequestInfo(model=self.model, block_hashes=tuple(self.block_hashes), anchor_blocks=self.anchor_blocks,
+        return RequestInfo(model=self.model, block_hashes=self.block_hashes, anchor_blocks=self.anchor_blocks,
                            opening_blocks=self.opening_blocks, prompt_chars=self.prompt_chars,
                            cache_salt=self.cache_salt)
 

@@ -222,8 +222,11 @@ async def start_gateway(name: str, endpoints: Sequence[str], flags: Sequence[str
     return child, url
 
 
-def peer_flags(count: int) -> list[list[str]]:
-    """`kvgate serve` flags for each of `count` gateways that share their routing decisions (router/peers.py)."""
+def peer_flags(count: int, shared: bool) -> list[list[str]]:
+    """`kvgate serve` flags for each of `count` gateways: with `shared`, those that make them share their routing
+    decisions (router/peers.py), else none."""
+    if not shared:
+        return [[] for _ in range(count)]
     addresses = [f"{HOST}:{port}" for port in free_ports(count)]
     return [["--peer-listen", own, *(flag for peer in addresses if peer != own for flag in ("--peers", peer))]
             for own in addresses]

@@ -194,7 +194,7 @@ async def _routers(plan: RowPlan, fleet: RunningFleet, log_dir: Path, load: Load
         flags = [] if plan.policy is None else ["--policy", plan.policy]
         flags += fleet.precise_flags if plan.precise else []
         count = plan.gateways if plan.kind in (KVGATE, EXTERNAL) else 0
-        peers = peer_flags(count) if plan.shared else [[]] * count
+        peers = peer_flags(count, plan.shared)
         for index in range(count):
             name = f"{load.name}-{plan.name}-{index}".replace(" ", "")
             if plan.kind == KVGATE:
