@@ -14,6 +14,7 @@ import zmq.asyncio
 
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
+from kvgate.policies.capacity import occupied
 from kvgate.router.config import ConfigError, build_config
 from kvgate.router.peers import DecisionPeers, SharedDecision
 from tests.harness import closed_port, running_gateway, wait_until
@@ -61,7 +62,7 @@ def test_a_shared_decision_survives_the_wire_with_what_routing_reads() -> None:
 
 def test_a_decision_made_after_shut_down_is_counted_as_dropped() -> None:
     events: list[str] = []
-    peers = DecisionPeers(("127.0.0.1", closed_port()), (), build_policy("cache-aware", CONFIG), fleet, events.append)
+    peers = DecisionPeers(("127.0.0.1", closed_port()), (), lambda request, replica: True, events.append)
     peers.open()
     request = build_request_info("chat", chat(1, 1), "interactive", CONFIG)
     peers.publish(request, "pod-a")
@@ -156,6 +157,34 @@ async def test_frames_that_do_not_decode_or_name_unknown_replicas_are_counted_an
             assert gateway.gateway.policy.index_sizes() == {gateway.gateway.fleet.endpoints[0].key: 2}
             async with aiohttp.ClientSession() as http, http.get(gateway.url + "/readyz") as response:
                 assert response.status == 200  # garbage from a peer leaves the gateway serving
+    finally:
+        publisher.close(linger=0)
+        context.destroy(linger=0)
+
+
+async def test_a_peers_decision_counts_on_its_replica_until_the_next_scrape() -> None:
+    """Each gateway bounds load by what a replica holds; a peer's sends since the last scrape are part of it."""
+    port = closed_port()
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        async with replicas(1) as (replica,), \
+                running_gateway(endpoints=(replica.url,), peers=(f"127.0.0.1:{port}",), scrape_interval=60) as gateway:
+            fleet = gateway.gateway.fleet
+            key = fleet.endpoints[0].key
+            await wait_until(lambda: not gateway.gateway.scraper.metrics(key).stale, timeout=10)
+            for n in range(100):  # until the subscription is up: a PUB drops what nobody receives yet
+                await publisher.send(msgspec.msgpack.encode(SharedDecision("peer", key, MODEL, [n], 0, 0, 64)))
+                await asyncio.sleep(0.02)
+                if counted(gateway.gateway, "learned"):
+                    break
+            learned = counted(gateway.gateway, "learned")
+            assert learned and fleet.in_flight(key) == 0
+            assert occupied(fleet.snapshot().get(key)) == learned  # the page showed an idle replica
+            fleet.scrape_started(key)
+            fleet.scraped(key, ok=True)
+            assert occupied(fleet.snapshot().get(key)) == 0  # the next page shows what the peer sent, or its end
     finally:
         publisher.close(linger=0)
         context.destroy(linger=0)

@@ -29,6 +29,7 @@ from kvgate.policies import (
     prompt_tokens,
 )
 from kvgate.policies.balance import NOISE_SIGMAS, balance_window
+from kvgate.policies.capacity import occupied
 from kvgate.policies.filters import load_cap
 from kvgate.policies.rendezvous import placement_key, rendezvous_order
 
@@ -87,7 +88,7 @@ def test_bounded_load_filter_always_leaves_a_candidate_when_bound_is_at_least_on
     states = [state(f"e{i}", load) for i, load in enumerate(loads)]
     eligible = BoundedLoadFilter(bound).filter(cycle_for(request("x")), states)
     assert eligible
-    assert min(states, key=lambda s: s.load) in eligible
+    assert min(states, key=occupied) in eligible
 
 
 def test_bounded_load_cap_lets_tiny_loads_through() -> None:
@@ -95,6 +96,14 @@ def test_bounded_load_cap_lets_tiny_loads_through() -> None:
     assert len(BoundedLoadFilter(1.25).filter(cycle, [state(k) for k in "abcd"])) == 4
     one_busy = [state("a", 1), state("b"), state("c"), state("d")]
     assert [s.key for s in BoundedLoadFilter(1.25).filter(cycle, one_busy)] == ["b", "c", "d"]
+
+
+def test_the_load_bound_reads_what_a_replica_holds_not_what_this_gateway_sent_there() -> None:
+    """Another gateway's requests on a replica make it a hot spot here too: every gateway bounds alike."""
+    cycle = cycle_for(request("x"))
+    busy_elsewhere = state("a", 0, running=20, scraped_at=1.0, stale=False)
+    idle = [state(k, 0, running=0, scraped_at=1.0, stale=False) for k in "bc"]
+    assert [s.key for s in BoundedLoadFilter(1.25).filter(cycle, [busy_elsewhere, *idle])] == ["b", "c"]
 
 
 def test_registry_builds_every_policy_by_name() -> None:

@@ -76,11 +76,6 @@ class EndpointState:
         """Queue depth from the last fresh scrape, 0 when metrics are stale."""
         return 0 if self.metrics.stale else self.metrics.waiting
 
-    @property
-    def load(self) -> int:
-        """Load used for bounding: the gateway's in-flight count plus the replica's waiting queue."""
-        return self.in_flight + self.waiting
-
     def serves(self, model: str) -> bool:
         """Whether the replica serves `model`; an endpoint whose model list is unknown is assumed to."""
         return not self.models or model in self.models

@@ -42,9 +42,8 @@ def unseen(state: EndpointState) -> int:
 
 
 def occupied(state: EndpointState) -> int:
-    """Requests on the replica now, running or waiting: the last scrape moved by what it does not show yet."""
-    if state.metrics.scraped_at is None:
-        return max(0, state.recent)
+    """Requests on the replica now, running or waiting: the last scrape moved by what it does not show yet (before a
+    first scrape, what was sent there)."""
     return max(0, state.metrics.running + state.metrics.waiting + unseen(state))
 
 

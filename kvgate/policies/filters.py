@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.capacity import has_free_seat
+from kvgate.policies.capacity import has_free_seat, occupied
 from kvgate.policies.framework import Cycle
 
 
@@ -29,7 +29,12 @@ def load_cap(loads: Sequence[float], load_bound: float, slack: int = 0, noise_si
 
 
 class BoundedLoadFilter:
-    """Keeps only the candidates whose load is under the bounded-load cap."""
+    """Keeps only the candidates whose load is under the bounded-load cap.
+
+    A replica's load is what it holds, running or waiting (capacity.occupied: its last scrape moved by what was
+    sent and finished since), not what this gateway has open there: every gateway reads the same figure, however
+    many share the traffic, so they bound alike.
+    """
 
     name = "bounded-load"
 
@@ -42,8 +47,9 @@ class BoundedLoadFilter:
         """Candidates that may take one more request without exceeding the bound."""
         if not candidates:
             return ()
-        cap = load_cap([state.load for state in candidates], self.load_bound, self.slack, self.noise_sigmas)
-        return tuple(state for state in candidates if state.load < cap)
+        loads = [occupied(state) for state in candidates]
+        cap = load_cap(loads, self.load_bound, self.slack, self.noise_sigmas)
+        return tuple(state for state, load in zip(candidates, loads) if load < cap)
 
 
 class FreeSeatFilter:

@@ -1,4 +1,4 @@
-"""Least load: the candidate with the lowest load (in flight + waiting), ties placed by the prefix."""
+"""Least load: the candidate holding the fewest requests (running or waiting), ties placed by the prefix."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from kvgate.policies.types import Decision, RequestInfo
 
 
 class LeastLoadPolicy(NoPrefixIndex):
-    """Lowest EndpointState.load; equal loads broken by the rendezvous weight of the request's leading blocks."""
+    """Fewest requests held (capacity.occupied); equal loads broken by the rendezvous weight of the request's leading blocks."""
 
     name = "least-load"
 

@@ -8,6 +8,7 @@ home was at the load cap, "fallback" when every candidate was (only possible wit
 from __future__ import annotations
 
 from kvgate.endpoints.types import FleetSnapshot
+from kvgate.policies.capacity import occupied
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.filters import load_cap
 from kvgate.policies.no_index import NoPrefixIndex
@@ -32,8 +33,8 @@ class PrefixHashPolicy(NoPrefixIndex):
             return None
         key = placement_key(request, self._affinity_blocks)
         order = rendezvous_order(key, candidates)
-        cap = load_cap([state.load for state in candidates], self._load_bound, self._load_slack)
-        eligible = [state for state in order if state.load < cap]
+        cap = load_cap([occupied(state) for state in candidates], self._load_bound, self._load_slack)
+        eligible = [state for state in order if occupied(state) < cap]
         if not eligible:
             ranked = least_loaded_order(key, candidates)
             return Decision(ranked[0], "fallback", fallbacks=tuple(ranked[1:]))

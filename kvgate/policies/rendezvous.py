@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from xxhash import xxh3_64_intdigest
 
 from kvgate.endpoints.types import EndpointState
+from kvgate.policies.capacity import occupied
 from kvgate.policies.types import RequestInfo
 
 
@@ -33,8 +34,9 @@ def rendezvous_order(key: int, states: Iterable[EndpointState]) -> list[Endpoint
 
 
 def least_loaded_order(key: int, states: Iterable[EndpointState]) -> list[EndpointState]:
-    """Endpoints by load, equal loads in the key's rendezvous order (never by list position)."""
-    return sorted(states, key=lambda state: (state.load, -rendezvous_weight(key, state.key), state.key))
+    """Endpoints by load (what each replica holds: capacity.occupied), equal loads in the key's rendezvous order
+    (never by list position)."""
+    return sorted(states, key=lambda state: (occupied(state), -rendezvous_weight(key, state.key), state.key))
 
 
 def retry_order(key: int, ranked: Iterable[EndpointState], candidates: Iterable[EndpointState]) -> tuple[EndpointState, ...]:

@@ -96,7 +96,7 @@ class Gateway:
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
                                         self.preemption)
-        self.peers = DecisionPeers(config.peer_address, config.peer_addresses, self.policy, self.fleet.snapshot,
+        self.peers = DecisionPeers(config.peer_address, config.peer_addresses, self.routed_elsewhere,
                                    lambda event: self.metrics.peer_decisions.labels(event).inc(),
                                    peer_discovery(config)) \
             if config.peer_listen or config.peers or config.peer_service else None
@@ -125,6 +125,17 @@ class Gateway:
         self.policy.record(request, chosen)
         if self.peers is not None:
             self.peers.publish(request, chosen.key)
+
+    def routed_elsewhere(self, request: RequestInfo, replica: str) -> bool:
+        """A peer gateway sent `request` to `replica`: the policy learns it as one of its own, and the replica's load
+        counts it until the next scrape shows it; False when this gateway does not know the replica."""
+        snapshot = self.fleet.snapshot()
+        state = snapshot.get(replica)
+        if state is None:
+            return False
+        self.policy.learn(request, state, snapshot)
+        self.fleet.sent_elsewhere(replica)
+        return True
 
     def _endpoints_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery changed the replicas: scrape, list and follow the new set, and dispatch what now fits."""

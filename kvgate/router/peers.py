@@ -7,8 +7,9 @@ therefore publishes every decision it makes (the replica and what routing read o
 hashes, anchor and opening) on a ZMQ PUB socket (`peer_listen`), and subscribes to the other gateways' sockets
 (`peers`, or on Kubernetes the pods behind `peer_service`, a headless Service over the gateway's pods whose port
 is named `peers`, followed as they come and go); a decision learned from a peer enters the prefix index, the
-recent shares and the tenants' popularity as one of its own would (`Policy.learn`). Every gateway then routes
-from the whole fleet's history.
+recent shares and the tenants' popularity as one of its own would (`Policy.learn`), and counts on its replica
+until the next scrape shows it (`Fleet.sent_elsewhere`). Every gateway then routes from the whole fleet's
+history and load.
 
 Delivery is best effort, as the state it feeds is a belief: a peer that is down or slow loses decisions (PUB
 drops beyond its high-water mark; ZMQ reconnects by itself), never blocks a request. Decisions travel as one
@@ -29,8 +30,8 @@ import zmq
 import zmq.asyncio
 
 from kvgate.endpoints.discovery import Discovery
-from kvgate.endpoints.types import Endpoint, FleetSnapshot
-from kvgate.policies.types import Policy, RequestInfo
+from kvgate.endpoints.types import Endpoint
+from kvgate.policies.types import RequestInfo
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +68,15 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
 class DecisionPeers:
     """Publishes this gateway's decisions and feeds the other gateways' into the policy."""
 
-    def __init__(self, listen: tuple[str, int] | None, peers: Sequence[tuple[str, int]], policy: Policy,
-                 snapshot: Callable[[], FleetSnapshot], count: Callable[[str], None],
+    def __init__(self, listen: tuple[str, int] | None, peers: Sequence[tuple[str, int]],
+                 routed_elsewhere: Callable[[RequestInfo, str], bool], count: Callable[[str], None],
                  discovery: Discovery | None = None) -> None:
         self.origin = os.urandom(8).hex()
         self._listen = listen
         self._static = frozenset(peers)
         self._discovery = discovery  # the peers' pods, besides the static ones
         self._connected: set[tuple[str, int]] = set()
-        self._policy = policy
-        self._snapshot = snapshot
+        self._routed_elsewhere = routed_elsewhere  # False: this gateway does not know the replica
         self._count = count  # one event: published, dropped, learned, unknown_replica, invalid
         self._context = zmq.Context()  # the publisher's sends never wait: a plain socket, NOBLOCK
         self._async_context = zmq.asyncio.Context()
@@ -151,13 +151,7 @@ class DecisionPeers:
             return
         if decision.origin == self.origin:
             return
-        snapshot = self._snapshot()
-        state = snapshot.get(decision.replica)
-        if state is None:
-            self._count("unknown_replica")
-            return
-        self._policy.learn(decision.request(), state, snapshot)
-        self._count("learned")
+        self._count("learned" if self._routed_elsewhere(decision.request(), decision.replica) else "unknown_replica")
 
     def close(self) -> None:
         """Close the publisher and the ZMQ context."""
