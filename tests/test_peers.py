@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
 import msgspec
@@ -86,6 +86,20 @@ async def replicas(count: int) -> AsyncIterator[list[RecordingReplica]]:
         yield [await stack.enter_async_context(recording_replica()) for _ in range(count)]
 
 
+@contextlib.contextmanager
+def peer_publisher() -> Iterator[tuple[int, zmq.asyncio.Socket]]:
+    """A peer gateway's decision publisher, bound on a free loopback port."""
+    port = closed_port()
+    context = zmq.asyncio.Context()
+    publisher = context.socket(zmq.PUB)
+    publisher.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        yield port, publisher
+    finally:
+        publisher.close(linger=0)
+        context.destroy(linger=0)
+
+
 def counted(gateway, event: str) -> float:
     return gateway.metrics.registry.get_sample_value("kvgate_peer_decisions_total", {"event": event}) or 0.0
 
@@ -133,11 +147,7 @@ async def test_two_gateways_route_each_others_conversations_to_where_their_turns
 
 
 async def test_frames_that_do_not_decode_or_name_unknown_replicas_are_counted_and_dropped() -> None:
-    port = closed_port()
-    context = zmq.asyncio.Context()
-    publisher = context.socket(zmq.PUB)
-    publisher.bind(f"tcp://127.0.0.1:{port}")
-    try:
+    with peer_publisher() as (port, publisher):
         async with replicas(1) as (replica,), \
                 running_gateway(endpoints=(replica.url,), peers=(f"127.0.0.1:{port}",)) as gateway:
             unknown = msgspec.msgpack.encode(SharedDecision("peer", "http://10.1.1.1:8000", MODEL, [1, 2], 0, 0, 64))
@@ -157,18 +167,11 @@ async def test_frames_that_do_not_decode_or_name_unknown_replicas_are_counted_an
             assert gateway.gateway.policy.index_sizes() == {gateway.gateway.fleet.endpoints[0].key: 2}
             async with aiohttp.ClientSession() as http, http.get(gateway.url + "/readyz") as response:
                 assert response.status == 200  # garbage from a peer leaves the gateway serving
-    finally:
-        publisher.close(linger=0)
-        context.destroy(linger=0)
 
 
 async def test_a_peers_decision_counts_on_its_replica_until_the_next_scrape() -> None:
     """Each gateway bounds load by what a replica holds; a peer's sends since the last scrape are part of it."""
-    port = closed_port()
-    context = zmq.asyncio.Context()
-    publisher = context.socket(zmq.PUB)
-    publisher.bind(f"tcp://127.0.0.1:{port}")
-    try:
+    with peer_publisher() as (port, publisher):
         async with replicas(1) as (replica,), \
                 running_gateway(endpoints=(replica.url,), peers=(f"127.0.0.1:{port}",), scrape_interval=60) as gateway:
             fleet = gateway.gateway.fleet
@@ -185,22 +188,15 @@ async def test_a_peers_decision_counts_on_its_replica_until_the_next_scrape() ->
             fleet.scrape_started(key)
             fleet.scraped(key, ok=True)
             assert occupied(fleet.snapshot().get(key)) == 0  # the next page shows what the peer sent, or its end
-    finally:
-        publisher.close(linger=0)
-        context.destroy(linger=0)
 
 
 async def test_peers_are_the_pods_of_the_peer_service_as_they_come_and_go(api) -> None:
     """A peer appears in the peer Service's EndpointSlice: its decisions are learned; it leaves: they are not."""
     from tests.k8s_api import make_slice
 
-    port = closed_port()
-    context = zmq.asyncio.Context()
-    publisher = context.socket(zmq.PUB)
-    publisher.bind(f"tcp://127.0.0.1:{port}")
-    peer_slice = make_slice("kvgate-peers", "kvgate-peers-1", [("127.0.0.1", "kvgate-1", True, True, False)],
-                            ports=[("peers", port)])
-    try:
+    with peer_publisher() as (port, publisher):
+        peer_slice = make_slice("kvgate-peers", "kvgate-peers-1", [("127.0.0.1", "kvgate-1", True, True, False)],
+                                ports=[("peers", port)])
         async with replicas(1) as (replica,), \
                 running_gateway(endpoints=(replica.url,), peer_service="kvgate-peers") as gateway:
             key = gateway.gateway.fleet.endpoints[0].key
@@ -226,6 +222,3 @@ async def test_peers_are_the_pods_of_the_peer_service_as_they_come_and_go(api) -
             learned = counted(gateway.gateway, "learned")
             await publish(20)
             assert counted(gateway.gateway, "learned") == learned
-    finally:
-        publisher.close(linger=0)
-        context.destroy(linger=0)
