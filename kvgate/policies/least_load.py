@@ -10,7 +10,8 @@ from kvgate.policies.types import Decision, RequestInfo
 
 
 class LeastLoadPolicy(NoPrefixIndex):
-    """Fewest requests held (capacity.occupied); equal loads broken by the rendezvous weight of the request's leading blocks."""
+    """Fewest requests held (capacity.occupied); equal loads broken by the rendezvous weight of the request's
+    leading blocks."""
 
     name = "least-load"
 

@@ -33,8 +33,9 @@ class PrefixHashPolicy(NoPrefixIndex):
             return None
         key = placement_key(request, self._affinity_blocks)
         order = rendezvous_order(key, candidates)
-        cap = load_cap([occupied(state) for state in candidates], self._load_bound, self._load_slack)
-        eligible = [state for state in order if occupied(state) < cap]
+        loads = {state.key: occupied(state) for state in candidates}
+        cap = load_cap(list(loads.values()), self._load_bound, self._load_slack)
+        eligible = [state for state in order if loads[state.key] < cap]
         if not eligible:
             ranked = least_loaded_order(key, candidates)
             return Decision(ranked[0], "fallback", fallbacks=tuple(ranked[1:]))

@@ -66,7 +66,7 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
 
 
 class DecisionPeers:
-    """Publishes this gateway's decisions and feeds the other gateways' into the policy."""
+    """Publishes this gateway's decisions and feeds the other gateways' to it (`routed_elsewhere`)."""
 
     def __init__(self, listen: tuple[str, int] | None, peers: Sequence[tuple[str, int]],
                  routed_elsewhere: Callable[[RequestInfo, str], bool], count: Callable[[str], None],
