@@ -132,18 +132,20 @@ class Fleet:
     def acquire(self, key: str) -> None:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""
         self._in_flight[key] += 1
-        self._recent[key] += 1
-        self._sends[key] += 1
-        self._version += 1
+        self._sent(key)
 
     def sent_elsewhere(self, key: str) -> None:
         """Count a request another gateway sent to `key`: it is on the replica, as one of this gateway's would be,
         until a scrape shows it (its finish is not seen here, so the estimate errs high until then). Not while the
         replica's metrics are stale: no scrape would reset the count."""
         if not self._metrics(key).stale:
-            self._recent[key] += 1
-            self._sends[key] += 1
-            self._version += 1
+            self._sent(key)
+
+    def _sent(self, key: str) -> None:
+        """One more request on `key` since its last scrape."""
+        self._recent[key] += 1
+        self._sends[key] += 1
+        self._version += 1
 
     def release(self, key: str) -> None:
         """Count a request to `key` as finished."""

@@ -28,6 +28,14 @@ def load_cap(loads: Sequence[float], load_bound: float, slack: int = 0, noise_si
     return max(cap, math.ceil(mean) + slack) if slack else cap
 
 
+def under_cap(states: Sequence[EndpointState], load_bound: float, slack: int = 0,
+              noise_sigmas: float = 0.0) -> tuple[EndpointState, ...]:
+    """The states (in their order) whose load, what the replica holds (capacity.occupied), is under load_cap's cap."""
+    loads = [occupied(state) for state in states]
+    cap = load_cap(loads, load_bound, slack, noise_sigmas)
+    return tuple(state for state, load in zip(states, loads) if load < cap)
+
+
 class BoundedLoadFilter:
     """Keeps only the candidates whose load is under the bounded-load cap.
 
@@ -47,9 +55,7 @@ class BoundedLoadFilter:
         """Candidates that may take one more request without exceeding the bound."""
         if not candidates:
             return ()
-        loads = [occupied(state) for state in candidates]
-        cap = load_cap(loads, self.load_bound, self.slack, self.noise_sigmas)
-        return tuple(state for state, load in zip(candidates, loads) if load < cap)
+        return under_cap(candidates, self.load_bound, self.slack, self.noise_sigmas)
 
 
 class FreeSeatFilter:

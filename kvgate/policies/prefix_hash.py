@@ -8,9 +8,8 @@ home was at the load cap, "fallback" when every candidate was (only possible wit
 from __future__ import annotations
 
 from kvgate.endpoints.types import FleetSnapshot
-from kvgate.policies.capacity import occupied
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.filters import load_cap
+from kvgate.policies.filters import under_cap
 from kvgate.policies.no_index import NoPrefixIndex
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.types import Decision, RequestInfo
@@ -33,9 +32,7 @@ class PrefixHashPolicy(NoPrefixIndex):
             return None
         key = placement_key(request, self._affinity_blocks)
         order = rendezvous_order(key, candidates)
-        loads = {state.key: occupied(state) for state in candidates}
-        cap = load_cap(list(loads.values()), self._load_bound, self._load_slack)
-        eligible = [state for state in order if loads[state.key] < cap]
+        eligible = under_cap(order, self._load_bound, self._load_slack)
         if not eligible:
             ranked = least_loaded_order(key, candidates)
             return Decision(ranked[0], "fallback", fallbacks=tuple(ranked[1:]))
