@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -12,9 +13,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
+from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
 from kvgate.policies.capacity import occupied
+from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.router.config import ConfigError, build_config
 from kvgate.router.peers import DecisionPeers, SharedDecision
 from tests.harness import closed_port, running_gateway, wait_until
@@ -58,6 +60,36 @@ def test_a_shared_decision_survives_the_wire_with_what_routing_reads() -> None:
     learned = decoded.request()
     assert (learned.block_hashes, learned.anchor_blocks, learned.opening_blocks, learned.prompt_chars) == \
         (request.block_hashes, request.anchor_blocks, request.opening_blocks, request.prompt_chars)
+
+
+def precise_policy(snapshot: FleetSnapshot):
+    """A cache-aware policy whose every replica's KV events flow and show an empty cache."""
+    index = PrecisePrefixIndex(hold_s=30.0)
+    for state in snapshot.endpoints:
+        index.set_precise(state.key, True)
+    return build_policy("cache-aware", CONFIG, index)
+
+
+def test_a_peers_precise_decision_counts_its_blocks_as_held_before_the_engines_events() -> None:
+    snapshot = FleetSnapshot(tuple(dataclasses.replace(state, metrics=ReplicaMetrics(block_size=16))
+                                   for state in fleet().endpoints))
+    tokens = tuple(range(1000, 1400))
+    first = dataclasses.replace(build_request_info("chat", chat(1, 1), "interactive", CONFIG), token_ids=tokens)
+    later = dataclasses.replace(build_request_info("chat", chat(1, 2), "interactive", CONFIG),
+                                token_ids=tokens + tuple(range(50)))
+    alone = precise_policy(snapshot).pick(first, snapshot).endpoint.key
+    elsewhere = next(state for state in snapshot.endpoints if state.key != alone)
+    frame = msgspec.msgpack.encode(SharedDecision.of("gw-1", first, elsewhere.key))  # another gateway's choice
+    learner = precise_policy(snapshot)
+    learner.learn(msgspec.msgpack.Decoder(SharedDecision).decode(frame).request(), elsewhere, snapshot)
+    decision = learner.pick(later, snapshot)
+    assert decision.endpoint.key == elsewhere.key and decision.reason == "prefix_hit"
+
+
+def test_token_ids_a_peer_could_not_hash_are_refused_at_decoding() -> None:
+    request = dataclasses.replace(build_request_info("chat", chat(1, 1), "interactive", CONFIG), token_ids=(1 << 32,))
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.msgpack.Decoder(SharedDecision).decode(msgspec.msgpack.encode(SharedDecision.of("gw", request, "a")))
 
 
 def test_a_decision_made_after_shut_down_is_counted_as_dropped() -> None:

@@ -9,7 +9,10 @@ hashes, anchor and opening) on a ZMQ PUB socket (`peer_listen`), and subscribes 
 is named `peers`, followed as they come and go); a decision learned from a peer enters the prefix index, the
 recent shares and the tenants' popularity as one of its own would (`Policy.learn`), and counts on its replica
 until the next scrape shows it (`Fleet.sent_elsewhere`). Every gateway then routes from the whole fleet's
-history and load.
+history and load. Where routing is precise (KV events), a decision carries the prompt's token ids too, so that
+every gateway counts its blocks as held on the chosen replica until the engine's events show them, as the
+gateway that made it does; a prompt over `MAX_SHARED_TOKENS` travels without them (peers then learn it
+approximately).
 
 Delivery is best effort, as the state it feeds is a belief: a peer that is down or slow loses decisions (PUB
 drops beyond its high-water mark; ZMQ reconnects by itself), never blocks a request. Decisions travel as one
@@ -23,6 +26,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Collection, Sequence
+from typing import Annotated
 from urllib.parse import urlsplit
 
 import msgspec
@@ -37,7 +41,10 @@ log = logging.getLogger(__name__)
 
 PEERS_PORT_NAME = "peers"  # the port of `peer_service` that peers publish on
 HIGH_WATER_MARK = 10_000  # decisions queued per peer before the publisher drops
-MAX_FRAME_BYTES = 1 << 20  # a decision is at most a few KB: a peer sending more is cut off (ZMQ disconnects it)
+MAX_FRAME_BYTES = 1 << 20  # a peer sending more in one decision is cut off (ZMQ disconnects it)
+MAX_SHARED_TOKENS = 131_072  # token ids a decision carries at most: 5 bytes each, well inside the frame bound
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]  # hashed as uint32, as the tokenizer's ids are
 
 
 class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
@@ -51,18 +58,21 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
     opening_blocks: int
     prompt_chars: int
     cache_salt: str | None = None
+    token_ids: tuple[TokenId, ...] | None = None  # the prompt as its engine tokenizes it (precise routing)
 
     @classmethod
     def of(cls, origin: str, request: RequestInfo, replica: str) -> SharedDecision:
         """The decision to send `request` to `replica`."""
+        tokens = request.token_ids
         return cls(origin, replica, request.model, request.block_hashes, request.anchor_blocks,
-                   request.opening_blocks, request.prompt_chars, request.cache_salt)
+                   request.opening_blocks, request.prompt_chars, request.cache_salt,
+                   tokens if tokens is not None and len(tokens) <= MAX_SHARED_TOKENS else None)
 
     def request(self) -> RequestInfo:
-        """The request as routing reads it (no token ids: a peer's prompt is not tokenized here)."""
+        """The request as routing reads it."""
         return RequestInfo(model=self.model, block_hashes=self.block_hashes, anchor_blocks=self.anchor_blocks,
                            opening_blocks=self.opening_blocks, prompt_chars=self.prompt_chars,
-                           cache_salt=self.cache_salt)
+                           cache_salt=self.cache_salt, token_ids=self.token_ids)
 
 
 class DecisionPeers:
