@@ -140,6 +140,7 @@ class Gateway:
     def _endpoints_changed(self, endpoints: Sequence[Endpoint]) -> None:
         """Discovery changed the replicas: scrape, list and follow the new set, and dispatch what now fits."""
         self.scraper.set_endpoints(endpoints)
+        self.metrics.keep_replicas({endpoint.key for endpoint in endpoints})
         self.models.set_endpoints(endpoints)
         if self.kv_events is not None:
             self.kv_events.set_endpoints(endpoints)

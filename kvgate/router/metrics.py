@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
@@ -16,6 +16,11 @@ from kvgate.policies.precise_index import PrecisePrefixIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _FRACTION_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+# The label names of the series kept per replica (dropped when the replica leaves the fleet).
+REQUESTS_LABELS = ("route", "model", "status", "replica")
+IN_FLIGHT_LABELS = ("replica",)
+UPSTREAM_ERRORS_LABELS = ("kind", "replica")
+NO_REPLICA = "-"  # the replica label of requests answered without one (refused, queued out, shed)
 
 
 class GatewayMetrics:
@@ -25,16 +30,16 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("kvgate_requests", "Requests answered, by route, model, status and replica",
-                                ["route", "model", "status", "replica"], registry=r)
+                                REQUESTS_LABELS, registry=r)
         self.in_flight = Gauge("kvgate_requests_in_flight", "Requests being proxied now, by replica",
-                               ["replica"], registry=r)
+                               IN_FLIGHT_LABELS, registry=r)
         self.ttfb = Histogram("kvgate_time_to_first_byte_seconds",
                               "From request arrival to the first response byte from the replica",
                               ["route", "model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("kvgate_request_duration_seconds", "From request arrival to the last byte sent",
                                   ["route", "model"], buckets=_LATENCY_BUCKETS, registry=r)
         self.upstream_errors = Counter("kvgate_upstream_errors", "Failures talking to replicas, by kind",
-                                       ["kind", "replica"], registry=r)
+                                       UPSTREAM_ERRORS_LABELS, registry=r)
         self.retries = Counter("kvgate_retries", "Requests retried on another replica, by cause",
                                ["cause"], registry=r)
         self.decisions = Counter("kvgate_routing_decisions", "Routing decisions by policy and reason",
@@ -65,6 +70,20 @@ class GatewayMetrics:
                                        ["priority_class"], registry=r)
         self.preempted = Counter("kvgate_admission_preempted", "Requests that gave up their seat to a more important "
                                  "one before their replica answered, and queued again", ["priority_class"], registry=r)
+
+    def keep_replicas(self, replicas: Collection[str]) -> None:
+        """Drop the series of replicas no longer in the fleet: pods come and go, and their series would pile up.
+
+        A request still open on a departed replica when it leaves may bring its series back when it ends; the
+        next change of the fleet drops it again.
+        """
+        for metric, names in ((self.requests, REQUESTS_LABELS), (self.in_flight, IN_FLIGHT_LABELS),
+                              (self.upstream_errors, UPSTREAM_ERRORS_LABELS)):
+            departed = {tuple(sample.labels[name] for name in names)
+                        for family in metric.collect() for sample in family.samples
+                        if sample.labels["replica"] not in replicas and sample.labels["replica"] != NO_REPLICA}
+            for labels in departed:
+                metric.remove(*labels)
 
     def add_collector(self, collector: Collector) -> None:
         """Register a collector that reads live state at scrape time."""

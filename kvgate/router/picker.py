@@ -35,6 +35,7 @@ from kvgate.router.auth import CREDENTIAL_HEADERS, require_key
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.gateway import Gateway
 from kvgate.router.headers import request_id as make_request_id
+from kvgate.router.metrics import NO_REPLICA
 from kvgate.router.pipeline import RequestPipeline
 from kvgate.router.requests import ROUTE_KINDS, InferenceRequest
 
@@ -97,7 +98,7 @@ class PickerStream:
 
     async def close(self) -> None:
         """The HTTP request is over: give back its admission and its replica's in-flight count."""
-        replica = self._replica or "-"  # the release below forgets it
+        replica = self._replica or NO_REPLICA  # the release below forgets it
         await self._held.aclose()
         if self._request is None:
             return

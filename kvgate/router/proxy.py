@@ -16,7 +16,7 @@ from kvgate.endpoints.types import EndpointState
 from kvgate.policies.types import RequestInfo
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.headers import forwardable
-from kvgate.router.metrics import GatewayMetrics
+from kvgate.router.metrics import NO_REPLICA, GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
 from kvgate.router.requests import InferenceRequest
 
@@ -53,7 +53,7 @@ class Outcome:
     arrived: float = 0.0  # time.monotonic() when the request arrived
     sent: float | None = None  # time.monotonic() when it was first sent to a replica (after admission)
     status: int = 0
-    replica: str = "-"
+    replica: str = NO_REPLICA
     reason: str = "-"  # the routing decision's reason (prefix_hit, cold, overflow, ...)
     matched: float = 0.0  # share of the prompt the chosen replica was taken to hold
     ttfb: float | None = None
