@@ -12,6 +12,9 @@ from tokenizers import Tokenizer
 
 from kvgate.engine.tokenizer import EngineTokenizer, TokenizerError
 from kvgate.loadtest.kit.tiny_model import BOS
+from kvgate.policies import RoutingConfig
+from kvgate.router.requests import parse_request
+from kvgate.router.tokenizing import RequestTokenizer
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
 
@@ -48,6 +51,31 @@ def test_tools_are_rendered_with_every_function_field(tokenizer):
                                                           "parameters": {"type": "object"}}}]
 
 
+def test_the_instructions_length_is_the_ids_the_system_prompt_renders_to_alone(tokenizer):
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Again"}]}
+    ids = tokenizer.chat_ids(body)
+    alone = tokenizer.chat_ids({"messages": MESSAGES[:1], "add_generation_prompt": False})
+    assert tokenizer.leading_messages_length(body, 1, ids) == len(alone) and ids[:len(alone)] == alone
+    assert alone[-1] == tokenizer.encode("<|eot_id|>", add_special_tokens=False)[0]  # the system turn ends there
+    other = {"messages": [MESSAGES[0], {"role": "user", "content": "Another conversation"}]}
+    assert tokenizer.leading_messages_length(other, 1, tokenizer.chat_ids(other)) == len(alone)  # remembered
+    assert tokenizer.leading_messages_length(body, 2, ids) > len(alone)  # the first user turn too
+
+
+async def test_the_tokenizing_stage_counts_the_anchor_inline_and_on_a_worker_thread(tokenizer, tiny_model_dir):
+    body = {"model": "m", "messages": [{"role": "system", "content": "You answer for tenant one. " * 30},
+                                       {"role": "user", "content": "My own question"}]}
+    alone = tokenizer.chat_ids({"messages": body["messages"][:1], "add_generation_prompt": False})
+    for offload_bytes in (1 << 30, 0):  # inline; every body on a worker thread
+        stage = RequestTokenizer.load({"m": str(tiny_model_dir)}, offload_bytes)
+        request = parse_request("/v1/chat/completions", json.dumps(body).encode(), "interactive", 0, RoutingConfig())
+        info = (await stage.tokenize(request)).info
+        assert info.token_ids == tuple(tokenizer.chat_ids(body)) and info.anchor_tokens == len(alone)
+    no_system = {"model": "m", "messages": body["messages"][1:]}
+    request = parse_request("/v1/chat/completions", json.dumps(no_system).encode(), "interactive", 0, RoutingConfig())
+    assert (await stage.tokenize(request)).info.anchor_tokens == 0
+
+
 def test_completion_prompts_get_the_tokenizers_bos_and_token_ids_pass_through(tokenizer):
     ids = tokenizer.completion_ids({"prompt": "def main():"})
     assert ids[0] == tokenizer.encode(BOS, add_special_tokens=False)[0]
@@ -63,8 +91,10 @@ def test_a_template_error_is_a_tokenizer_error(tiny_model_dir, tmp_path):
         (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"}))
+    refusing = EngineTokenizer.load(tmp_path)
     with pytest.raises(TokenizerError, match="user first"):
-        EngineTokenizer.load(tmp_path).chat_ids({"messages": MESSAGES})
+        refusing.chat_ids({"messages": MESSAGES})
+    assert refusing.leading_messages_length({"messages": MESSAGES}, 1, [1, 2, 3]) == 0  # cannot render them alone
 
 
 def test_a_directory_without_tokenizer_json_is_refused(tmp_path):

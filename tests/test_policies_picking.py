@@ -31,6 +31,7 @@ from kvgate.policies import (
 from kvgate.policies.balance import NOISE_SIGMAS, balance_window
 from kvgate.policies.capacity import occupied
 from kvgate.policies.filters import load_cap
+from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.rendezvous import placement_key, rendezvous_order
 
 CONFIG = RoutingConfig(load_slack=0)  # the bare multiplicative bound: the small loads below exercise it
@@ -496,3 +497,27 @@ def test_a_conversation_without_a_system_prompt_stays_where_its_first_turn_went(
             placed_home += 1
             assert other_gateway.pick(turn2, fleet).endpoint == decision.endpoint  # one that never saw turn 1 agrees
     assert placed_home >= 20
+
+
+def test_a_precise_new_conversation_is_placed_under_the_share_bound_whatever_the_characters_per_token() -> None:
+    """A tenant's new conversation whose system prompt a replica's events show is new context, bounded by the recent
+    shares, even where the engine's tokens are shorter than the configured estimate (the anchor then holds more
+    tokens than the estimate says, which must not make it look like the conversation's own history)."""
+    anchor_ids = tuple(range(1000, 1400))  # 400 tokens: what the engine's tokenizer makes of the system prompt
+    body = {"model": "m", "messages": [{"role": "system", "content": "Answer as tenant one's assistant. " * 20},
+                                       {"role": "user", "content": "A question of my own"}]}
+    new = build_request_info("chat", body, "interactive", CONFIG)
+    assert round(new.anchor_blocks * CONFIG.block_chars / CONFIG.chars_per_token) < len(anchor_ids)
+    new = dataclasses.replace(new, token_ids=anchor_ids + tuple(range(20)), anchor_tokens=len(anchor_ids))
+    snapshot = fleet_of(*(state(key, block_size=16) for key in KEYS[:3]))
+    index = PrecisePrefixIndex(hold_s=30.0)
+    for key in KEYS[:3]:
+        index.set_precise(key, True)
+    policy = CacheAwarePolicy(CONFIG, index)
+    holder = snapshot.endpoints[0]
+    index.match_tokens([(holder.key, 16)], anchor_ids, "m", None, now=0.0)
+    index.hold(holder.key, 16, anchor_ids, "m", None)  # the holder stores the system prompt
+    for n in range(30):  # and has taken every recent request
+        policy.record(request(prompt(f"other {n}")), holder)
+    decision = policy.pick(new, snapshot)
+    assert decision.endpoint.key != holder.key and decision.reason == "overflow"

@@ -156,11 +156,10 @@ async def test_a_new_conversation_goes_where_the_events_show_its_system_prompt_n
         [served] = [n for n, (a, b) in enumerate(zip(before, after)) if b > a]
         return served
 
-    # Two characters a token: the gateway's estimate of the system prompt's length passes what the replica holds
-    # (the tiny tokenizer makes about three), as with a model whose tokens are longer than the configured estimate,
-    # so the request is placed (no replica holds more than its system prompt), not continued where it is held.
+    # The gateway counts the system prompt's tokens as the engine's tokenizer makes them, so no replica holds more
+    # than it: the request is placed, not continued where it is held, whatever the configured characters per token.
     async with running_gateway(**event_settings(fleet, tiny_model_dir), kv_events_hold=0.05,
-                               routing={"chars_per_token": 2.0}) as precise, \
+                               routing={"chars_per_token": 8.0}) as precise, \
             running_gateway(endpoints=",".join(fleet.urls)) as approximate, aiohttp.ClientSession() as session:
         await precise_everywhere(precise, fleet)
         home = await served_at(session, precise.url, "first conversation")  # nobody holds it: its rendezvous home

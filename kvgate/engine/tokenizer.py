@@ -15,15 +15,17 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
+import orjson
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
+from xxhash import xxh3_64_intdigest
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # vLLM's "auto" content format: a template that loops over a message's content gets OpenAI-style parts.
@@ -31,6 +33,7 @@ _LOOPS_OVER_CONTENT = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.
 
 
 _SEGMENT_CACHE_CHARS = 8 * 1024 * 1024  # text kept with its token ids: system prompts and earlier turns repeat
+_LENGTHS_KEPT = 4096  # leading parts (a tenant's instructions) whose token count is remembered
 
 
 class TokenizerError(ValueError):
@@ -46,6 +49,8 @@ class EngineTokenizer:
         self._special_tokens = dict(special_tokens)
         self._template = _compile(chat_template) if chat_template else None
         self._openai_content = bool(chat_template and _LOOPS_OVER_CONTENT.search(chat_template))
+        self._lengths: OrderedDict[int, int] = OrderedDict()  # leading_messages_length, per leading part's hash
+        self._lengths_lock = threading.Lock()  # long prompts are tokenized on worker threads
 
     @classmethod
     def load(cls, directory: str | Path) -> EngineTokenizer:
@@ -95,6 +100,33 @@ class EngineTokenizer:
         """Token ids of a chat request, as vLLM tokenizes the rendered template (no special tokens by default)."""
         add_special = body.get("add_special_tokens", False) is True
         return self.encode(self.render_chat(body), add_special_tokens=add_special)
+
+    def leading_messages_length(self, body: Mapping[str, Any], messages: int, ids: Sequence[int]) -> int:
+        """How many of a chat's token `ids` its tools and first `messages` messages account for: the ids those render
+        to alone (no generation prompt) that `ids` start with; 0 when the template cannot render them alone.
+
+        A tenant's conversations share these (its instructions), so the count is remembered per distinct leading
+        part: a template renders it the same whatever follows.
+        """
+        leading = {**body, "messages": list(body.get("messages", ()))[:messages], "add_generation_prompt": False,
+                   "continue_final_message": False}
+        key = xxh3_64_intdigest(orjson.dumps([leading["messages"], body.get("tools"), body.get("chat_template_kwargs"),
+                                              body.get("add_special_tokens")], default=str))
+        with self._lengths_lock:
+            known = self._lengths.get(key)
+            if known is not None:
+                self._lengths.move_to_end(key)
+                return known
+        try:
+            alone = self.chat_ids(leading)
+        except TokenizerError:
+            alone = []
+        length = _common_prefix(alone, ids)
+        with self._lengths_lock:
+            self._lengths[key] = length
+            if len(self._lengths) > _LENGTHS_KEPT:
+                self._lengths.popitem(last=False)
+        return length
 
     def completion_ids(self, body: Mapping[str, Any]) -> list[int] | None:
         """Token ids of a completions request's first prompt (string or token ids); None when it has none."""
@@ -202,6 +234,13 @@ class _SegmentEncoder:
             while self._cached_chars > _SEGMENT_CACHE_CHARS:
                 piece, _ = self._cache.popitem(last=False)
                 self._cached_chars -= len(piece)
+
+
+def _common_prefix(first: Sequence[int], second: Sequence[int]) -> int:
+    """How many leading ids the two sequences share."""
+    if len(first) <= len(second) and list(second[:len(first)]) == list(first):
+        return len(first)
+    return next((at for at, (a, b) in enumerate(zip(first, second)) if a != b), min(len(first), len(second)))
 
 
 def _compile(template: str) -> jinja2.Template:

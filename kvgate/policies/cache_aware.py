@@ -90,7 +90,7 @@ class CacheAwarePolicy:
         precise = self.precise.match_tokens(((s.key, s.metrics.block_size) for s in candidates), request.token_ids,
                                             request.model, request.cache_salt, now) \
             if self.precise is not None and request.token_ids else {}
-        per_block = tokens_per_block(self._config)
+        per_block = tokens_per_block(self._config, request)
         total = prompt_tokens(request, self._config)
         matched = {
             state.key: precise[state.key] if state.key in precise
@@ -140,11 +140,12 @@ class CacheAwarePolicy:
         gateway's own decisions and its peers' (`learn`) alike."""
         self._window = balance_window(len(candidates), self._config.load_bound)
         matched, all_precise = self.matched_tokens(request, candidates, now)
-        everywhere, per_block = min(matched.values()), tokens_per_block(self._config)
+        everywhere, per_block = min(matched.values()), tokens_per_block(self._config, request)
         # A chat's anchor and the block straddling its end (the next message's role and first words, which many
-        # conversations share) are what a tenant's conversations have in common, not any conversation's own.
-        shared = max(everywhere, round((request.anchor_blocks + 1) * per_block)) if request.anchor_blocks \
-            else everywhere
+        # conversations share) are what a tenant's conversations have in common, not any conversation's own. Where
+        # the engine's tokenizer counted the anchor, in the tokens a replica's KV events report.
+        anchor = request.anchor_tokens or round(request.anchor_blocks * per_block)
+        shared = max(everywhere, anchor + round(per_block)) if request.anchor_blocks else everywhere
         depth = request.anchor_blocks or int(everywhere / per_block) + self._config.affinity_blocks
         if request.opening_blocks:  # no deeper than a chat's first turn, so that its later turns key alike
             depth = min(depth, request.opening_blocks)

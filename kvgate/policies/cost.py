@@ -31,8 +31,11 @@ from kvgate.policies.config import RoutingConfig
 from kvgate.policies.types import RequestInfo
 
 
-def tokens_per_block(config: RoutingConfig) -> float:
-    """Prompt tokens in one prefix block of the approximate index."""
+def tokens_per_block(config: RoutingConfig, request: RequestInfo | None = None) -> float:
+    """Prompt tokens in one prefix block of the approximate index: at the request's own characters per token where
+    it was tokenized as its engine does (precise routing), else at the configured estimate."""
+    if request is not None and request.token_ids and request.prompt_chars:
+        return config.block_chars * len(request.token_ids) / request.prompt_chars
     return config.block_chars / config.chars_per_token
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
 import orjson
@@ -214,6 +214,13 @@ def _chat_parts(body: dict[str, Any]) -> Iterator[PromptPart]:
         if first_own:
             yield _OPENING  # and its first own message ends here: every later turn repeats it
             opened = True
+
+
+def instruction_messages(body: Mapping[str, Any]) -> int:
+    """How many leading messages of a chat are its instructions (its anchor's messages): 0 unless a message of its
+    own follows them."""
+    messages = list(_dicts_in(body.get("messages")))
+    return next((at for at, message in enumerate(messages) if message.get("role") not in INSTRUCTION_ROLES), 0)
 
 
 def _content_parts(content: object) -> Iterator[PromptPart]:

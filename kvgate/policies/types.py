@@ -26,6 +26,7 @@ class RequestInfo:
     flow: str = DEFAULT_FLOW  # the Inference Extension's fairness id: flows of one class share the fleet
     cache_salt: str | None = None
     token_ids: tuple[int, ...] | None = None  # the prompt as the engine tokenizes it, when a tokenizer is configured
+    anchor_tokens: int = 0  # of those, the ones a chat's anchor renders to (0: not tokenized, or no anchor)
 
 
 @dataclass(frozen=True, slots=True)

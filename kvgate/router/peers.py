@@ -59,20 +59,23 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
     prompt_chars: int
     cache_salt: str | None = None
     token_ids: tuple[TokenId, ...] | None = None  # the prompt as its engine tokenizes it (precise routing)
+    anchor_tokens: int = 0  # of those, its anchor's
 
     @classmethod
     def of(cls, origin: str, request: RequestInfo, replica: str) -> SharedDecision:
         """The decision to send `request` to `replica`."""
         tokens = request.token_ids
+        if tokens is None or len(tokens) > MAX_SHARED_TOKENS:
+            return cls(origin, replica, request.model, request.block_hashes, request.anchor_blocks,
+                       request.opening_blocks, request.prompt_chars, request.cache_salt)
         return cls(origin, replica, request.model, request.block_hashes, request.anchor_blocks,
-                   request.opening_blocks, request.prompt_chars, request.cache_salt,
-                   tokens if tokens is not None and len(tokens) <= MAX_SHARED_TOKENS else None)
+                   request.opening_blocks, request.prompt_chars, request.cache_salt, tokens, request.anchor_tokens)
 
     def request(self) -> RequestInfo:
         """The request as routing reads it."""
         return RequestInfo(model=self.model, block_hashes=self.block_hashes, anchor_blocks=self.anchor_blocks,
                            opening_blocks=self.opening_blocks, prompt_chars=self.prompt_chars,
-                           cache_salt=self.cache_salt, token_ids=self.token_ids)
+                           cache_salt=self.cache_salt, token_ids=self.token_ids, anchor_tokens=self.anchor_tokens)
 
 
 class DecisionPeers:

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Mapping
 
 from kvgate.engine.tokenizer import EngineTokenizer
+from kvgate.policies.prefix_keys import instruction_messages
 from kvgate.router.requests import InferenceRequest
 
 log = logging.getLogger(__name__)
@@ -37,15 +38,24 @@ class RequestTokenizer:
         tokenizer = self.for_model(request.model)
         if tokenizer is None or request.kind not in ("chat", "completion"):
             return request
+        instructions = instruction_messages(request.payload) if request.kind == "chat" else 0
         try:
             if request.info.body_bytes > self._offload_bytes:
                 loop = asyncio.get_running_loop()
-                ids = await loop.run_in_executor(None, tokenizer.request_ids, request.kind, request.payload)
+                ids, anchor = await loop.run_in_executor(None, _tokenized, tokenizer, request, instructions)
             else:
-                ids = tokenizer.request_ids(request.kind, request.payload)
+                ids, anchor = _tokenized(tokenizer, request, instructions)
         except Exception as exc:  # noqa: BLE001 - a body the template or tokenizer refuses: the engine will answer it
             log.debug("tokenization failed model=%s: %s", request.model, exc)
             return request
         if not ids:
             return request
-        return dataclasses.replace(request, info=dataclasses.replace(request.info, token_ids=tuple(ids)))
+        return dataclasses.replace(request, info=dataclasses.replace(request.info, token_ids=tuple(ids),
+                                                                     anchor_tokens=anchor))
+
+
+def _tokenized(tokenizer: EngineTokenizer, request: InferenceRequest, instructions: int) -> tuple[list[int] | None, int]:
+    """The request's token ids, and how many of them its `instructions` leading messages (its anchor) account for."""
+    ids = tokenizer.request_ids(request.kind, request.payload)
+    anchor = tokenizer.leading_messages_length(request.payload, instructions, ids) if ids and instructions else 0
+    return ids, anchor
