@@ -499,22 +499,49 @@ def test_a_conversation_without_a_system_prompt_stays_where_its_first_turn_went(
     assert placed_home >= 20
 
 
+def precise_fleet() -> tuple[FleetSnapshot, PrecisePrefixIndex]:
+    """Three replicas of 16-token blocks whose KV events flow."""
+    index = PrecisePrefixIndex(hold_s=30.0)
+    for key in KEYS[:3]:
+        index.set_precise(key, True)
+    return fleet_of(*(state(key, block_size=16) for key in KEYS[:3])), index
+
+
+def tokenized_tenant_chat(question: str, anchor_ids: tuple[int, ...]) -> RequestInfo:
+    """A new conversation of tenant one, tokenized as its engine does."""
+    body = {"model": "m", "messages": [{"role": "system", "content": "Answer as tenant one's assistant. " * 20},
+                                       {"role": "user", "content": question}]}
+    info = build_request_info("chat", body, "interactive", CONFIG)
+    return dataclasses.replace(info, token_ids=anchor_ids + tuple(range(len(question))), anchor_tokens=len(anchor_ids))
+
+
+def test_a_precise_home_holding_its_tenants_system_prompt_keeps_its_new_conversations_over_the_share_bound() -> None:
+    anchor_ids = tuple(range(1000, 1400))
+    snapshot, index = precise_fleet()
+    policy = CacheAwarePolicy(CONFIG, index)
+    homes = {policy.pick(tokenized_tenant_chat(f"question {n}", anchor_ids), snapshot).endpoint.key for n in range(4)}
+    [home] = homes  # nobody holds it: every conversation goes to the tenant's home
+    holder = next(state for state in snapshot.endpoints if state.key == home)
+    index.match_tokens([(home, 16)], anchor_ids, "m", None, now=0.0)
+    index.hold(home, 16, anchor_ids, "m", None)  # the home stores the system prompt
+    for n in range(40):  # and takes every recent request: over the share bound, but no hot spot (nothing in flight)
+        other = request(prompt(f"other {n}"))
+        policy.pick(other, snapshot)  # (the tenant map is recomputed every few dozen requests: the tenant is busy)
+        policy.record(other, holder)
+    decision = policy.pick(tokenized_tenant_chat("a new conversation", anchor_ids), snapshot)
+    assert decision.endpoint.key == home and decision.reason == "prefix_hit"
+
+
 def test_a_precise_new_conversation_is_placed_under_the_share_bound_whatever_the_characters_per_token() -> None:
     """A tenant's new conversation whose system prompt a replica's events show is new context, bounded by the recent
     shares, even where the engine's tokens are shorter than the configured estimate (the anchor then holds more
     tokens than the estimate says, which must not make it look like the conversation's own history)."""
     anchor_ids = tuple(range(1000, 1400))  # 400 tokens: what the engine's tokenizer makes of the system prompt
-    body = {"model": "m", "messages": [{"role": "system", "content": "Answer as tenant one's assistant. " * 20},
-                                       {"role": "user", "content": "A question of my own"}]}
-    new = build_request_info("chat", body, "interactive", CONFIG)
+    new = tokenized_tenant_chat("A question of my own", anchor_ids)
     assert round(new.anchor_blocks * CONFIG.block_chars / CONFIG.chars_per_token) < len(anchor_ids)
-    new = dataclasses.replace(new, token_ids=anchor_ids + tuple(range(20)), anchor_tokens=len(anchor_ids))
-    snapshot = fleet_of(*(state(key, block_size=16) for key in KEYS[:3]))
-    index = PrecisePrefixIndex(hold_s=30.0)
-    for key in KEYS[:3]:
-        index.set_precise(key, True)
+    snapshot, index = precise_fleet()
     policy = CacheAwarePolicy(CONFIG, index)
-    holder = snapshot.endpoints[0]
+    holder = snapshot.endpoints[0]  # the tenant has no home yet (seen once): the holder is not one
     index.match_tokens([(holder.key, 16)], anchor_ids, "m", None, now=0.0)
     index.hold(holder.key, 16, anchor_ids, "m", None)  # the holder stores the system prompt
     for n in range(30):  # and has taken every recent request
