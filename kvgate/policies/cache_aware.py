@@ -19,9 +19,9 @@ feed the same decision.
    computes alike) is taken to hold it, and equal costs go to that home, then in the rendezvous order of the
    placement key. Where every candidate's KV events flow, which replicas hold the anchor is every gateway's
    truth: its prefill then counts where it is not held, and a home that really holds it keeps the tenant's new
-   conversations as it keeps a continuation (only a hot spot moves them). The key is the chained hash at the end of the anchor
-   (every gateway sends a tenant's new conversations to one home, whatever it has seen) or, without one,
-   `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
+   conversations as it keeps a continuation (only a hot spot moves them). The key is the chained hash at the
+   end of the anchor (every gateway sends a tenant's new conversations to one home, whatever it has seen) or,
+   without one, `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
    spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
    where the first did, on every gateway). A busy home spills to the next replica in the key's own
    rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of spraying

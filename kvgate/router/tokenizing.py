@@ -54,7 +54,8 @@ class RequestTokenizer:
                                                                      anchor_tokens=anchor))
 
 
-def _tokenized(tokenizer: EngineTokenizer, request: InferenceRequest, instructions: int) -> tuple[list[int] | None, int]:
+def _tokenized(tokenizer: EngineTokenizer, request: InferenceRequest,
+               instructions: int) -> tuple[list[int] | None, int]:
     """The request's token ids, and how many of them its `instructions` leading messages (its anchor) account for."""
     ids = tokenizer.request_ids(request.kind, request.payload)
     anchor = tokenizer.leading_messages_length(request.payload, instructions, ids) if ids and instructions else 0
