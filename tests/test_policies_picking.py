@@ -515,36 +515,40 @@ def tokenized_tenant_chat(question: str, anchor_ids: tuple[int, ...]) -> Request
     return dataclasses.replace(info, token_ids=anchor_ids + tuple(range(len(question))), anchor_tokens=len(anchor_ids))
 
 
-def test_a_precise_home_holding_its_tenants_system_prompt_keeps_its_new_conversations_over_the_share_bound() -> None:
-    anchor_ids = tuple(range(1000, 1400))
-    snapshot, index = precise_fleet()
-    policy = CacheAwarePolicy(CONFIG, index)
-    homes = {policy.pick(tokenized_tenant_chat(f"question {n}", anchor_ids), snapshot).endpoint.key for n in range(4)}
-    [home] = homes  # nobody holds it: every conversation goes to the tenant's home
-    holder = next(state for state in snapshot.endpoints if state.key == home)
-    index.match_tokens([(home, 16)], anchor_ids, "m", None, now=0.0)
-    index.hold(home, 16, anchor_ids, "m", None)  # the home stores the system prompt
-    for n in range(40):  # and takes every recent request: over the share bound, but no hot spot (nothing in flight)
-        other = request(prompt(f"other {n}"))
-        policy.pick(other, snapshot)  # (the tenant map is recomputed every few dozen requests: the tenant is busy)
-        policy.record(other, holder)
-    decision = policy.pick(tokenized_tenant_chat("a new conversation", anchor_ids), snapshot)
-    assert decision.endpoint.key == home and decision.reason == "prefix_hit"
-
-
-def test_a_precise_new_conversation_is_placed_under_the_share_bound_whatever_the_characters_per_token() -> None:
-    """A tenant's new conversation whose system prompt a replica's events show is new context, bounded by the recent
-    shares, even where the engine's tokens are shorter than the configured estimate (the anchor then holds more
-    tokens than the estimate says, which must not make it look like the conversation's own history)."""
+@pytest.mark.parametrize("chars_per_token", [1.0, 4.0, 16.0])  # the estimate over, near and under the truth
+def test_a_replica_holding_a_tenants_system_prompt_keeps_its_new_conversations_over_the_share_bound(
+        chars_per_token: float) -> None:
+    config = dataclasses.replace(CONFIG, chars_per_token=chars_per_token)
     anchor_ids = tuple(range(1000, 1400))  # 400 tokens: what the engine's tokenizer makes of the system prompt
-    new = tokenized_tenant_chat("A question of my own", anchor_ids)
-    assert round(new.anchor_blocks * CONFIG.block_chars / CONFIG.chars_per_token) < len(anchor_ids)
     snapshot, index = precise_fleet()
-    policy = CacheAwarePolicy(CONFIG, index)
-    holder = snapshot.endpoints[0]  # the tenant has no home yet (seen once): the holder is not one
+    policy = CacheAwarePolicy(config, index)
+    holder = snapshot.endpoints[1]
     index.match_tokens([(holder.key, 16)], anchor_ids, "m", None, now=0.0)
     index.hold(holder.key, 16, anchor_ids, "m", None)  # the holder stores the system prompt
-    for n in range(30):  # and has taken every recent request
-        policy.record(request(prompt(f"other {n}")), holder)
-    decision = policy.pick(new, snapshot)
-    assert decision.endpoint.key != holder.key and decision.reason == "overflow"
+    for n in range(40):  # and takes every recent request: over the share bound, but no hot spot (nothing in flight)
+        other = request(prompt(f"other {n}"))
+        policy.pick(other, snapshot)
+        policy.record(other, holder)
+    decision = policy.pick(tokenized_tenant_chat("a new conversation", anchor_ids), snapshot)
+    assert decision.endpoint.key == holder.key and decision.reason == "prefix_hit"
+    hot = fleet_of(*(dataclasses.replace(s, in_flight=30 if s.key == holder.key else 0) for s in snapshot.endpoints))
+    assert policy.pick(tokenized_tenant_chat("another one", anchor_ids), hot).endpoint.key != holder.key
+
+
+def test_a_mixed_fleet_weighs_believed_blocks_at_the_requests_own_characters_per_token() -> None:
+    """Where the engine's tokens are shorter than the configured estimate, a replica believed to hold more of the
+    prompt's text than another's events show holds more tokens too."""
+    snapshot, index = precise_fleet()
+    index.set_precise(KEYS[1], False)  # no events from this one: routed on the approximate index
+    text = "half a token a character, " * 40
+    ids = tuple(range(2000, 2000 + len(text) // 2))  # two characters a token
+    info = dataclasses.replace(build_request_info("completion", {"model": "m", "prompt": text}, "interactive", CONFIG),
+                               token_ids=ids)
+    policy = CacheAwarePolicy(CONFIG, index)
+    earlier = build_request_info("completion", {"model": "m", "prompt": text[:640]}, "interactive", CONFIG)
+    policy.record(earlier, snapshot.endpoints[1])  # believed: the first 640 characters, 320 tokens
+    index.match_tokens([(KEYS[0], 16)], ids, "m", None, now=0.0)
+    index.hold(KEYS[0], 16, ids[:288], "m", None)  # its events: the first 288 tokens
+    matched, _ = policy.matched_tokens(info, snapshot.endpoints)
+    assert matched[KEYS[1]] == 320 and matched[KEYS[0]] == 288
+    assert policy.pick(info, snapshot).endpoint.key == KEYS[1]

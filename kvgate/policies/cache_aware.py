@@ -18,8 +18,8 @@ feed the same decision.
    and gateways must agree: instead a busy tenant's assigned home (policies/tenants.py, a map every gateway
    computes alike) is taken to hold it, and equal costs go to that home, then in the rendezvous order of the
    placement key. Where every candidate's KV events flow, which replicas hold the anchor is every gateway's
-   truth: its prefill then counts where it is not held, and a home that really holds it keeps the tenant's new
-   conversations as it keeps a continuation (only a hot spot moves them). The key is the chained hash at the
+   truth: a replica that really holds it keeps the tenant's new conversations as it keeps a continuation (only
+   a hot spot moves them), and the home takes them where none does. The key is the chained hash at the
    end of the anchor (every gateway sends a tenant's new conversations to one home, whatever it has seen) or,
    without one, `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
    spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
@@ -118,11 +118,10 @@ class CacheAwarePolicy:
             profile = self._placement
             if all_precise:
                 seen = matched
-                if home is not None and matched[home] == max(matched.values()) > everywhere:
-                    # Its home really holds what it shares with its tenant's conversations: cached context, kept
-                    # there as a continuation is (only a hot spot moves it; the share bound would have it prefill
-                    # the system prompt again elsewhere). Another holder takes it only under the share bound, so
-                    # a tenant returns to the home the tenant map balanced.
+                if max(matched.values()) > everywhere:
+                    # Some replica really holds what it shares with its tenant's conversations: cached context, kept
+                    # where it is held as a continuation is (only a hot spot moves it; the share bound would have it
+                    # prefill the system prompt again elsewhere and evict as much there).
                     profile = self._continuation
             elif home is not None:
                 held = shared
