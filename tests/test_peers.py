@@ -18,7 +18,7 @@ from kvgate.policies import RoutingConfig, build_policy, build_request_info
 from kvgate.policies.capacity import occupied
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.router.config import ConfigError, build_config
-from kvgate.router.peers import DecisionPeers, SharedDecision
+from kvgate.router.peers import MAX_SHARED_TOKENS, DecisionPeers, SharedDecision
 from tests.harness import closed_port, running_gateway, wait_until
 from tests.recording_replica import MODEL, RecordingReplica, recording_replica
 
@@ -84,6 +84,13 @@ def test_a_peers_precise_decision_counts_its_blocks_as_held_before_the_engines_e
     learner.learn(msgspec.msgpack.Decoder(SharedDecision).decode(frame).request(), elsewhere, snapshot)
     decision = learner.pick(later, snapshot)
     assert decision.endpoint.key == elsewhere.key and decision.reason == "prefix_hit"
+
+
+def test_a_prompt_too_long_to_share_travels_without_its_token_ids() -> None:
+    request = dataclasses.replace(build_request_info("chat", chat(1, 1), "interactive", CONFIG),
+                                  token_ids=(7,) * (MAX_SHARED_TOKENS + 1), anchor_tokens=300)
+    shared = SharedDecision.of("gw", request, "a")
+    assert (shared.token_ids, shared.anchor_tokens) == (None, 0) and shared.block_hashes == request.block_hashes
 
 
 def test_token_ids_a_peer_could_not_hash_are_refused_at_decoding() -> None:

@@ -64,12 +64,10 @@ class SharedDecision(msgspec.Struct, array_like=True, frozen=True):
     @classmethod
     def of(cls, origin: str, request: RequestInfo, replica: str) -> SharedDecision:
         """The decision to send `request` to `replica`."""
-        tokens = request.token_ids
-        if tokens is None or len(tokens) > MAX_SHARED_TOKENS:
-            return cls(origin, replica, request.model, request.block_hashes, request.anchor_blocks,
-                       request.opening_blocks, request.prompt_chars, request.cache_salt)
+        tokens = request.token_ids if request.token_ids and len(request.token_ids) <= MAX_SHARED_TOKENS else None
         return cls(origin, replica, request.model, request.block_hashes, request.anchor_blocks,
-                   request.opening_blocks, request.prompt_chars, request.cache_salt, tokens, request.anchor_tokens)
+                   request.opening_blocks, request.prompt_chars, request.cache_salt, tokens,
+                   request.anchor_tokens if tokens else 0)
 
     def request(self) -> RequestInfo:
         """The request as routing reads it."""
