@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import random
 from collections import Counter
-from fractions import Fraction
 
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
@@ -102,19 +99,6 @@ def test_a_key_seen_once_has_no_home_and_busy_keys_do() -> None:
     assert placement.home(2, two) in REPLICAS[:2]
 
 
-def test_a_tenant_fits_one_replica_unless_its_own_share_is_clearly_over_the_share_bound() -> None:
-    def fits(share: Fraction, replicas: int = 3) -> bool:
-        placement = TenantPlacement()
-        for position in range(3 * WINDOW):  # long enough for the decayed shares to settle; key 1 evenly spread
-            ours = math.floor((position + 1) * share) > math.floor(position * share)
-            placement.observe(1 if ours else 2 + position % 40, WINDOW)
-        return placement.fits_one_replica(1, replicas, CONFIG.load_bound)
-
-    assert fits(Fraction(1, 3)) and fits(Fraction(9, 20))  # within the bound (5/12), or past it by noise only
-    assert not fits(Fraction(11, 20)) and not fits(Fraction(2, 3))  # clearly hotter than one replica may be
-    assert not fits(Fraction(9, 20), replicas=8)  # the bound is a share of the fleet: 8 replicas allow 5/32 each
-
-
 def test_two_gateways_seeing_alternate_requests_send_the_same_tenants_to_the_same_homes() -> None:
     candidates = fleet().endpoints
     for tenants, skew, floor in ((24, 0.0, 0.97), (150, 0.0, 0.9), (24, 1.2, 0.85), (60, 1.2, 0.85)):
@@ -170,30 +154,8 @@ def test_a_later_turn_another_gateway_placed_stays_at_its_tenants_home_past_the_
             placed[decision.endpoint.key] += 1
     home = placed.most_common(1)[0][0]
     spilled = policy.pick(chat(0, "Question 1: what about the warranty?"), idle)
-    # A new conversation of a tenant too hot for one replica: the bound splits it.
-    assert spilled.endpoint.key != home and spilled.reason == "overflow"
+    assert spilled.endpoint.key != home and spilled.reason == "overflow"  # a new conversation: the bound holds
     # Turn 3 of a conversation whose first two turns another gateway placed: new to this gateway's index.
     later = chat(0, "Question 1: what about the refund?", "Question 2: and the invoice?", "Question 3: when?")
     decision = policy.pick(later, idle)
     assert decision.endpoint.key == home and decision.reason == "prefix_hit"
-
-
-def test_a_tenants_new_conversations_stay_at_its_home_past_the_share_bound_until_it_is_a_hot_spot() -> None:
-    policy = build_policy("cache-aware", CONFIG)
-    idle = fleet()
-    for number in range(240):  # 24 tenants, alike
-        request = chat(number % 24, f"Question 1: what about item {number}?")
-        policy.record(request, policy.pick(request, idle).endpoint)
-    home = policy.pick(chat(5, "Question 1: what about the warranty?"), idle).endpoint
-    for number in range(150):  # one-off prompts put the home's recent share far over the bound
-        policy.record(build_request_info("completion", {"model": "m", "prompt": f"one-off {number} " * 30},
-                                         "interactive", CONFIG), home)
-    one_off = build_request_info("completion", {"model": "m", "prompt": "another one-off " * 30}, "interactive", CONFIG)
-    assert policy.pick(one_off, idle).endpoint.key != home.key  # new context nobody holds: the bound holds
-    # The tenant's system prompt is cached at its home, and a replica a few requests over the mean costs less than
-    # prefilling it again elsewhere (and evicting as much there).
-    kept = policy.pick(chat(5, "Question 1: what about the refund?"), idle)
-    assert (kept.endpoint.key, kept.reason) == (home.key, "prefix_hit")
-    hot = FleetSnapshot(tuple(dataclasses.replace(state, in_flight=30 if state.key == home.key else 0)
-                              for state in idle.endpoints))
-    assert policy.pick(chat(5, "Question 1: what about the invoice?"), hot).endpoint.key != home.key

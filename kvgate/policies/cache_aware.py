@@ -18,19 +18,16 @@ feed the same decision.
    and gateways must agree: instead a busy tenant's assigned home (policies/tenants.py, a map every gateway
    computes alike) is taken to hold it, and equal costs go to that home, then in the rendezvous order of the
    placement key. Where every candidate's KV events flow, which replicas hold the anchor is every gateway's
-   truth, and the home takes the tenant's new conversations where none holds it. A replica holding the anchor
-   (the home, or one whose events show it) keeps them as it keeps a continuation: only a hot spot, or a queue
-   worth more than prefilling the anchor twice, moves them, not the share bound, unless the tenant alone is
-   clearly hotter than one replica may be (policies/tenants.py): the bound splits that one. The key is the
-   chained hash at the end of the anchor (every gateway sends a tenant's new conversations to one home,
-   whatever it has seen) or, without one, `affinity_blocks` blocks past the part every candidate holds
-   (distinct prompts behind a common prefix spread by what follows it), and for a chat no deeper than its
-   first own turn (so its later turns key where the first did, on every gateway). A busy home spills to the
-   next replica in the key's own rendezvous order, which then holds it too: overflow concentrates on a few
-   replicas instead of spraying the fleet. A chat's later turn that looks new to this gateway (several
-   gateways share the traffic, and another placed its earlier turns) is taken to be at its tenant's home,
-   history included, and is routed as a continuation: the share bound does not push it off the replica that
-   holds its history.
+   truth: a replica that really holds it keeps the tenant's new conversations as it keeps a continuation (only
+   a hot spot moves them), and the home takes them where none does. The key is the chained hash at the
+   end of the anchor (every gateway sends a tenant's new conversations to one home, whatever it has seen) or,
+   without one, `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
+   spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
+   where the first did, on every gateway). A busy home spills to the next replica in the key's own
+   rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of spraying
+   the fleet. A chat's later turn that looks new to this gateway (several gateways share the traffic, and
+   another placed its earlier turns) is taken to be at its tenant's home, history included, and is routed
+   as a continuation: the share bound does not push it off the replica that holds its history.
 Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the
 assigned or rendezvous home, nobody holding more), "overflow" (load moved it off either), "fallback" (every
 candidate was over its cap: the least loaded).
@@ -118,18 +115,16 @@ class CacheAwarePolicy:
             # weighs it. What a gateway's own index says about the anchor is its own history, which must not
             # count: the home is taken to hold it (it is where the tenant's conversations go), no other replica.
             home = tenants.home(key, candidates)
-            # Cached context stays where it is held, as a continuation does (only a hot spot moves it): the share
-            # bound would have it prefill the system prompt again elsewhere and evict as much there. Unless the
-            # tenant alone is clearly hotter than one replica may be: then the bound splits it.
-            kept = self._continuation if tenants.fits_one_replica(key, len(candidates), self._config.load_bound) \
-                else self._placement
             profile = self._placement
             if all_precise:
                 seen = matched
-                if max(matched.values()) > everywhere:  # some replica really holds what the conversations share
-                    profile = kept
+                if max(matched.values()) > everywhere:
+                    # Some replica really holds what it shares with its tenant's conversations: cached context, kept
+                    # where it is held as a continuation is (only a hot spot moves it; the share bound would have it
+                    # prefill the system prompt again elsewhere and evict as much there).
+                    profile = self._continuation
             elif home is not None:
-                held, profile = shared, kept  # the home is taken to hold the tenant's system prompt
+                held = shared
                 if _carries_history(request):
                     # A later turn whose earlier ones this gateway never placed (another gateway did) is where
                     # its tenant's conversations go, history and all, and stays there as a continuation would.

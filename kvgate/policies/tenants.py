@@ -15,9 +15,7 @@ gateway can repeat from what it sees:
 - a key changes class or weight only once its ratio is half a power of two past the boundary, so a tenant near
   one does not flap (each flap moves tenants, and a moved tenant's next conversation misses its system prompt);
 - keys go heaviest first (ties by hash), each to the first replica in its own rendezvous order whose assigned
-  weight stays within a fair share of the total, or to the least loaded when none has room;
-- a tenant stays whole at its home (its system prompt is cached there) unless its own share of recent requests
-  is clearly, beyond noise, over what the share bound allows one replica: the bound splits only that one.
+  weight stays within a fair share of the total, or to the least loaded when none has room.
 
 The result is a pure function of the busy keys, their coarse weights and the replica set, recomputed every
 few dozen requests: gateways behind a round-robin front see the same tenants at the same shares, so they hold
@@ -30,7 +28,6 @@ import math
 from collections.abc import Mapping, Sequence
 
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.balance import NOISE_SIGMAS
 from kvgate.policies.rendezvous import rendezvous_weight
 
 BUSY = 1.5  # decayed requests a key needs to be placed as a tenant: seen at least twice lately
@@ -93,7 +90,6 @@ class TenantPlacement:
 
     def __init__(self) -> None:
         self._counts: dict[int, tuple[float, int]] = {}  # key -> (decayed count, tick it was last brought to)
-        self._total = 0.0  # every key's requests, decayed alike
         self._tick = 0
         self._window = 1  # the share bound's window (policies/balance.py), as the policy last gave it
         self._weights: dict[int, float] = {}
@@ -106,7 +102,6 @@ class TenantPlacement:
         self._window = window
         self._tick += 1
         self._counts[key] = (self._count(key) + 1.0, self._tick)
-        self._total = self._total * (1.0 - 1.0 / window) + 1.0
         if len(self._counts) > 2 * MAX_TRACKED:
             busiest = sorted(self._counts, key=self._count, reverse=True)[:MAX_TRACKED]
             self._counts = {key: self._counts[key] for key in busiest}
@@ -117,13 +112,6 @@ class TenantPlacement:
         if replicas != self._replicas or self._tick - self._refreshed_at >= self._window / REFRESH_SHARE:
             self._refresh(replicas)
         return self._homes.get(key)
-
-    def fits_one_replica(self, key: int, replicas: int, load_bound: float) -> bool:
-        """Whether the key's own share of recent requests fits one replica under the share bound (`load_bound` x a
-        fair share), noise allowed: a tenant clearly hotter than that must be split, any other can stay whole."""
-        share = self._count(key) / self._total if self._total else 0.0
-        noise = NOISE_SIGMAS * math.sqrt(share * (1.0 - share) / self._window)
-        return share - noise <= load_bound / max(replicas, 1)
 
     def _count(self, key: int) -> float:
         count, tick = self._counts.get(key, (0.0, self._tick))
