@@ -75,11 +75,12 @@ def failed(samples: list[RequestSample]) -> list[RequestSample]:
 
 
 async def test_rolling_restart_under_streaming_load_fails_no_request(api):
-    # A preStop sleep of 0.2 s, far longer than the watch takes to reach the gateway here; streams of
-    # about 0.5 s, so each replica still has streams open when it begins its own shutdown.
-    async with restartable_fleet(api, RestartTiming(propagation_s=0.2)) as (gw, restart, publisher):
+    # A preStop sleep of 0.4 s, far longer than the watch takes to reach the gateway here, even with the suite
+    # loading both cores (at 0.2 s a request reached a draining replica once in such a run); streams of about
+    # 0.9 s, so each replica still has streams open when it begins its own shutdown.
+    async with restartable_fleet(api, RestartTiming(propagation_s=0.4)) as (gw, restart, publisher):
         originals = [r.name for r in restart.replicas]
-        records, samples, start = await under_load(gw, restart.restart_all, max_tokens=3 * MAX_TOKENS)
+        records, samples, start = await under_load(gw, restart.restart_all, max_tokens=6 * MAX_TOKENS)
         fleet = gw.gateway.fleet
         assert {e.key: e.accepting for e in fleet.endpoints} == {publisher.key(r.name): True for r in restart.replicas}
         moved = retries_by_cause(gw.gateway)
