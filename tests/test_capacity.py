@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_fits, kv_slots,
-                                      occupied, room_for, seat_to_free)
+                                      occupied, peer_seats, room_for, seat_to_free)
+from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
 
 
@@ -131,6 +132,45 @@ def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what
     queued = EndpointState(Endpoint("a", "http://a:8000"), metrics=ReplicaMetrics(running=15, waiting=1,
                                                                                   scraped_at=1.0, stale=False))
     assert room_for([queued], SaturationThresholds(), ClassStanding(yields=True)) == 0
+
+
+def test_a_replica_of_unknown_seats_grows_one_at_a_time_past_the_seats_its_peers_showed() -> None:
+    # Replicas of one Deployment filling in step would all pass their seats in one scrape, each leaving a tenth of
+    # what it runs waiting inside it, first come first served, wherever the next interactive request goes.
+    metrics = ReplicaMetrics(running=30, scraped_at=1.0, stale=False)
+    alone = EndpointState(Endpoint("b", "http://b:8000"), metrics=metrics)
+    assert room_for([alone], SaturationThresholds(), ClassStanding(yields=True)) == 3  # a tenth of 30
+    guided = dataclasses.replace(alone, peer_seats=32)
+    assert room_for([guided], SaturationThresholds(), ClassStanding(yields=True)) == 2  # up to its peer's 32
+    at_them = dataclasses.replace(guided, metrics=dataclasses.replace(metrics, running=32))
+    assert room_for([at_them], SaturationThresholds(), ClassStanding(yields=True)) == 1  # one past: it may have more
+    bigger = dataclasses.replace(guided, metrics=dataclasses.replace(metrics, running=40))  # no queue at 40 of 32
+    assert room_for([bigger], SaturationThresholds(), ClassStanding(yields=True)) == 4  # it has more: a tenth again
+    assert room_for([bigger], SaturationThresholds(), ClassStanding(alone=False)) == 0  # and at least 40 seats
+    assert room_for([dataclasses.replace(bigger, grown=-2, recent=-2)], SaturationThresholds(),
+                    ClassStanding(alone=False)) == 2  # two of its 40 finished since the scrape
+
+
+def test_a_replica_of_unknown_seats_is_full_at_its_peers_seats_for_a_request_that_would_wait_inside_it() -> None:
+    # The interactive requests of a flood's first second herded onto the one replica whose seats were still
+    # unknown: nothing showed it full, so it looked free, and they waited inside it behind batch requests.
+    full = EndpointState(Endpoint("c", "http://c:8000"), metrics=ReplicaMetrics(running=32, scraped_at=1.0,
+                                                                                stale=False),
+                         peer_seats=32, recent=1, grown=1, in_flight=1)  # one more sent since the scrape
+    assert room_for([full], SaturationThresholds(queue=5), ClassStanding(alone=False)) == 0
+    assert room_for([dataclasses.replace(full, peer_seats=None)], SaturationThresholds(queue=5),
+                    ClassStanding(alone=False)) == 4  # the one sent since may be waiting
+    assert room_for([full], SaturationThresholds(queue=5), ClassStanding()) == 5  # a class alone still probes
+    assert requests_ahead(full, 0) == 2 and requests_ahead(dataclasses.replace(full, peer_seats=None), 0) == 0
+    victims = {"c": [Holder(1), Holder(2), Holder(3)]}
+    assert seat_to_free([full], victims, {}) == [Holder(2), Holder(3)]  # one beyond its peers' seats, plus one
+
+
+def test_peer_seats_come_from_replicas_serving_the_same_model_or_of_unknown_models() -> None:
+    models = {"a": frozenset({"m"}), "b": frozenset({"m", "n"}), "c": frozenset({"n"}), "d": frozenset(),
+              "e": frozenset({"x"})}
+    assert peer_seats({"a": 32, "b": 16}, models) == {"c": 16, "d": 16}  # d's models are unknown: any peer's count
+    assert peer_seats({"d": 8, "a": 32}, models) == {"b": 8, "c": 8, "e": 8}  # d may serve anything
 
 
 def test_a_page_that_lags_this_gateways_count_does_not_stall_the_growth_of_a_replica_of_unknown_seats() -> None:

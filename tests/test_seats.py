@@ -97,6 +97,22 @@ def test_a_queue_behind_a_full_kv_cache_teaches_no_seats() -> None:
     assert seats_of(fleet, "a") == 9
 
 
+def test_seats_learned_on_one_replica_guide_the_others_of_its_model_until_they_show_their_own() -> None:
+    scrapes = Scrapes()
+    models = {"a": frozenset({"m"}), "b": frozenset({"m"}), "c": frozenset({"other"})}
+    fleet = Fleet(scrapes, models.__getitem__)
+    fleet.apply([Endpoint(key, f"http://{key}:8000") for key in models])
+    for _ in range(2):
+        scrapes.scrape(fleet, "a", running=32, waiting=2)
+    snapshot = fleet.snapshot()
+    assert [(snapshot.get(key).seats, snapshot.get(key).peer_seats) for key in "abc"] == [  # type: ignore[union-attr]
+        (32, None), (None, 32), (None, None)]  # c serves another model: a's seats say nothing about it
+    for _ in range(2):
+        scrapes.scrape(fleet, "b", running=40, waiting=1)
+    state = fleet.snapshot().get("b")
+    assert state is not None and (state.seats, state.peer_seats) == (40, None)  # its own count, once shown
+
+
 def test_configured_seats_win_and_learned_seats_leave_with_their_replica() -> None:
     scrapes = Scrapes()
     fleet = fleet_with(scrapes, "a", "b")

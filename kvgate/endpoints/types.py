@@ -65,6 +65,8 @@ class EndpointState:
     # since the page (a request that replaced one finished while the scrape was in flight is no growth)
     grown: int = 0
     seats: int | None = None  # sequences it runs at once (vLLM --max-num-seqs): configured or learned; None unknown
+    # while its own seats are unknown: the fewest learned on another replica serving one of its models (peer_seats)
+    peer_seats: int | None = None
 
     @property
     def key(self) -> str:

@@ -77,12 +77,21 @@ def full_at(metrics: ReplicaMetrics) -> int | None:
     return metrics.running
 
 
+def likely_seats(state: EndpointState) -> int | None:
+    """The replica's seats, else those its peers showed (peer_seats), or what it runs when that is more (it has
+    at least as many); None while both are unknown."""
+    if state.seats or not state.peer_seats:
+        return state.seats
+    return max(state.peer_seats, state.metrics.running)
+
+
 def free_seats(state: EndpointState) -> int | None:
-    """Seats the replica has free now, None while its seat count is unknown."""
-    return None if not state.seats else max(0, state.seats - occupied(state))
+    """Seats the replica has free now (likely_seats), None while its seat count is unknown."""
+    seats = likely_seats(state)
+    return None if not seats else max(0, seats - occupied(state))
 
 
-def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, kv_bound: bool = False) -> float:
+def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, yields: bool = False) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
     Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
@@ -94,15 +103,17 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     let past a learned seat count (_probe), so that it never waits in a replica's queue unless `seated_queue`
     allows it, and counts every request sent since the scrape to a replica of unknown seats as waiting: only
     a request that nobody more important waits behind is let into a replica on the hope that it has room.
-    `kv_bound` also counts what the replica's KV cache holds at once (kv_slots), for a class that leaves room.
-    A replica of unknown seats whose scrape shows a queue is full at its running count (full_at) for a request
-    that does not probe: it would wait there behind the queue, first come first served.
+    A class that `yields` to a more important one also counts what the replica's KV cache holds at once
+    (kv_slots), so that it leaves room. For a request that does not probe, a replica of unknown seats whose
+    scrape shows a queue is full at its running count (full_at): it would wait there behind the queue, first
+    come first served; else it has the seats its peers showed (peer_seats), except for a class that yields,
+    which grows toward them (growth_step) and so still finds a replica that has more.
     """
     room = float("inf")
     metrics = state.metrics
-    seats = slots(state.seats, metrics, limits.kv_cache) if kv_bound else state.seats
+    seats = slots(state.seats, metrics, limits.kv_cache) if yields else state.seats
     if not seats and not probe:
-        seats = full_at(metrics)
+        seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
         if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
             return 0.0
@@ -127,8 +138,9 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
                    probe: bool = True, yields: bool = False, tokens: int = 0) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
-    `reserve` is the share of the candidates' seats that must stay free for more important classes,
-    pooled over the fleet because a request that needs a seat is routed to whichever replica has one.
+    `reserve` is the share of the candidates' seats (known, or likely from their peers') that must stay free for
+    more important classes, pooled over the fleet because a request that needs a seat is routed to whichever
+    replica has one.
     `probe` is headroom()'s. A class that `yields` to a more important one counts what a replica's KV cache
     holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
     past its last scrape, so that its requests never make a queue that others wait behind. A class that does
@@ -137,7 +149,7 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
     for state in candidates:
-        seats = slots(state.seats, state.metrics, limits.kv_cache) if yields else state.seats
+        seats = slots(likely_seats(state), state.metrics, limits.kv_cache) if yields else likely_seats(state)
         if seats:
             seated.append((state, seats))
         else:
@@ -184,7 +196,7 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
     (and `seated_queue` more, as for a replica whose seats are known)."""
     if tokens and not probe and limits.kv_cache < 1.0 and not kv_fits(state, tokens):
         return 0.0
-    room = headroom(state, limits, probe, kv_bound=yields)
+    room = headroom(state, limits, probe, yields)
     metrics = state.metrics
     if not yields or state.seats or metrics.scraped_at is None:
         return room
@@ -192,15 +204,45 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
         allowed = limits.seated_queue - metrics.waiting - unseen(state)
     else:  # growth is what this gateway opened there, net, since the scrape started: neither what the page lags
         # behind its count nor a request that took the place of one finished while the scrape was in flight
-        allowed = growth_step(metrics) + limits.seated_queue - state.grown
+        allowed = growth_step(metrics, state.peer_seats) + limits.seated_queue - state.grown
     return min(room, max(0, allowed))
 
 
-def growth_step(metrics: ReplicaMetrics) -> int:
+def growth_step(metrics: ReplicaMetrics, peer_seats: int | None = None) -> int:
     """Requests a replica of unknown seats may gain between two scrapes that show no queue: a tenth of what it
     runs, at least one. Its seats are learned only once it is full, so it must fill; growing by a share of
-    itself fills a large replica in a few scrapes and leaves at most that share waiting inside it when full."""
-    return max(1, math.ceil(_GROWTH * metrics.running))
+    itself fills a large replica in a few scrapes and leaves at most that share waiting inside it when full.
+
+    Where another replica of its model has shown its seats (`peer_seats`), the step stops there and takes one
+    more: replicas of one Deployment run the same --max-num-seqs, and replicas filling in step would otherwise
+    all pass their seats in the same scrape, leaving a tenth of each waiting inside, first come first served,
+    ahead of the next interactive request wherever it goes. A replica that then runs more than its peers' seats
+    has more, and grows by its tenth again.
+    """
+    step = max(1, math.ceil(_GROWTH * metrics.running))
+    if peer_seats is not None and metrics.running <= peer_seats < metrics.running + step:
+        return max(1, peer_seats - metrics.running)
+    return step
+
+
+def peer_seats(learned: Mapping[str, int], models: Mapping[str, frozenset[str]]) -> dict[str, int]:
+    """For each replica in `models` whose seats are not in `learned`: the fewest seats learned on another replica
+    that serves one of its models (a replica whose models are unknown shares them all)."""
+    fewest: dict[str, int] = {}  # model -> fewest seats learned on a replica serving it
+    for key, seats in learned.items():
+        for model in models.get(key, frozenset()):
+            fewest[model] = min(seats, fewest.get(model, seats))
+    shared = min((seats for key, seats in learned.items() if not models.get(key)), default=None)
+    found: dict[str, int] = {}
+    for key, served in models.items():
+        if key in learned:
+            continue
+        counts = [fewest[model] for model in served if model in fewest] if served else list(learned.values())
+        if shared is not None:
+            counts.append(shared)
+        if counts:
+            found[key] = min(counts)
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,14 +373,15 @@ def seat_to_free(candidates: Sequence[EndpointState], victims: Mapping[str, Sequ
 
     `victims` lists each replica's preemptible requests oldest first, `preempted` how many on it already let
     go. On a replica whose seats are known, or else whose KV cache holds a known number of sequences like those
-    it runs (kv_slots, filled to the brim), or else which shows a queue (full_at), freeing one takes as many of its youngest victims as it holds
+    it runs (kv_slots, filled to the brim), or else which shows a queue (full_at), or else whose peers showed
+    their seats (peer_seats), freeing one takes as many of its youngest victims as it holds
     requests beyond that count, plus one (a request waiting inside it holds no seat). The replica needing the
     fewest wins, then the one with the youngest victim: the youngest has done the least work, so little is lost.
     """
     best: tuple[tuple[int, int], list[H]] | None = None
     for state in candidates:
         mine = victims.get(state.key, ())
-        seats = state.seats or kv_slots(state.metrics, 1.0) or full_at(state.metrics)
+        seats = state.seats or kv_slots(state.metrics, 1.0) or full_at(state.metrics) or likely_seats(state)
         if not seats or not mine:
             continue
         held = occupied(state) - preempted.get(state.key, 0)
