@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
@@ -91,27 +91,22 @@ class Fleet:
         now = self._clock()
         if self._cached is not None and self._cached[0] == version and now - self._cached[1].now < _REUSE_S:
             return self._cached[1]
-        peers = self._peer_seats()
-        states = tuple(self._state(key, endpoint, peers.get(key)) for key, endpoint in self._endpoints.items())
+        models = {key: self._models(key) for key in self._endpoints}
+        learned: Mapping[str, int] = {} if self._configured_seats else self._seats.learned()
+        peers = peer_seats(learned, models) if learned else {}
+        states = tuple(self._state(key, endpoint, models[key], learned.get(key), peers.get(key))
+                       for key, endpoint in self._endpoints.items())
         snapshot = FleetSnapshot(endpoints=states, now=now)
         self._cached = (version, snapshot)
         return snapshot
 
-    def _peer_seats(self) -> dict[str, int]:
-        """peer_seats() of every replica whose seats are unknown (none when the operator configured them)."""
-        if self._configured_seats:
-            return {}
-        learned = {key: seats for key in self._endpoints if (seats := self._seats.seats(key))}
-        if not learned:
-            return {}
-        return peer_seats(learned, {key: self._models(key) for key in self._endpoints})
-
-    def _state(self, key: str, endpoint: Endpoint, seats_of_peers: int | None) -> EndpointState:
+    def _state(self, key: str, endpoint: Endpoint, models: frozenset[str], learned_seats: int | None,
+               seats_of_peers: int | None) -> EndpointState:
         metrics = self._metrics(key)
-        return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key],
-                             models=self._models(key), healthy=self.health.healthy(key), recent=self._recent[key],
+        return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key], models=models,
+                             healthy=self.health.healthy(key), recent=self._recent[key],
                              grown=self._in_flight[key] - self._open_at_page.get(key, 0),
-                             seats=self._configured_seats or self._seats.seats(key), peer_seats=seats_of_peers)
+                             seats=self._configured_seats or learned_seats, peer_seats=seats_of_peers)
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from kvgate.endpoints.types import EndpointState, ReplicaMetrics
@@ -344,6 +345,10 @@ class SeatLearner:
                 self._seats[key] = seats
                 return seats
         return None
+
+    def learned(self) -> Mapping[str, int]:
+        """Every replica's learned seat count, read-only."""
+        return MappingProxyType(self._seats)
 
     def seats(self, key: str) -> int | None:
         """The learned seat count of `key`, None while unknown."""
