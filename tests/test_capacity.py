@@ -6,8 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, kv_fits, kv_slots,
-                                      occupied, peer_seats, room_for, seat_to_free)
+from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, first_to_fill, has_room,
+                                      kv_fits, kv_slots, occupied, peer_seats, room_for, seat_to_free)
 from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
 
@@ -132,6 +132,27 @@ def test_a_class_that_yields_fills_a_replica_of_unknown_seats_by_a_share_of_what
     queued = EndpointState(Endpoint("a", "http://a:8000"), metrics=ReplicaMetrics(running=15, waiting=1,
                                                                                   scraped_at=1.0, stale=False))
     assert room_for([queued], SaturationThresholds(), ClassStanding(yields=True)) == 0
+
+
+def test_a_class_that_yields_fills_one_replica_of_unknown_seats_at_a_time_until_a_count_is_known() -> None:
+    # Three replicas filling in step passed their seats within a second of each other, each with its last growth
+    # step waiting inside it, and the interactive requests of that second met those queues wherever they went.
+    metrics = ReplicaMetrics(running=20, scraped_at=1.0, stale=False)
+    a, b, c = (EndpointState(Endpoint(key, f"http://{key}:8000"), metrics=metrics, in_flight=20) for key in "abc")
+    batch, limits = ClassStanding(yields=True), SaturationThresholds()
+    assert first_to_fill([c, a, b]) == "a"  # every gateway picks the same
+    assert room_for([a, b, c], limits, batch) == 2  # a tenth of what a runs; b and c wait their turn
+    assert has_room(a, limits, batch, first="a") and not has_room(b, limits, batch, first="a")
+    assert has_room(b, limits, batch)  # asked alone, with no order given
+    assert room_for([a, b, c], limits, ClassStanding(alone=False)) == 3 * 5  # the class above is not held back
+    queued = dataclasses.replace(a, metrics=dataclasses.replace(metrics, waiting=2))
+    assert first_to_fill([queued, b, c]) == "a"  # a queue seen once: an arrival between two engine steps, perhaps
+    queued = dataclasses.replace(queued, filled=True)
+    assert first_to_fill([queued, b, c]) == "b"  # full on two scrapes in a row, by its KV cache: the next one fills
+    replaced = dataclasses.replace(c, recent=-1, grown=-1, in_flight=19)  # one finished since the scrape
+    assert room_for([queued, b, replaced], limits, batch) == 2 + 1  # b's step, and c's finished one replaced
+    assert first_to_fill([dataclasses.replace(a, seats=32), b, c]) is None  # a count is known: all grow toward it
+    assert first_to_fill([dataclasses.replace(a, metrics=ReplicaMetrics())]) is None  # never scraped: fails open
 
 
 def test_a_replica_of_unknown_seats_grows_one_at_a_time_past_the_seats_its_peers_showed() -> None:

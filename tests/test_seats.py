@@ -97,6 +97,24 @@ def test_a_queue_behind_a_full_kv_cache_teaches_no_seats() -> None:
     assert seats_of(fleet, "a") == 9
 
 
+def test_a_replica_that_showed_a_queue_on_two_scrapes_in_a_row_has_been_full_whatever_bound_it() -> None:
+    scrapes = Scrapes()
+    fleet = fleet_with(scrapes, "a", "b")
+    scrapes.scrape(fleet, "a", running=3, waiting=1)
+    scrapes.scrape(fleet, "a", running=4, waiting=0)
+    scrapes.scrape(fleet, "b", running=6, waiting=2, kv_cache_usage=0.95)
+    snapshot = fleet.snapshot()
+    assert [snapshot.get(key).filled for key in "ab"] == [False, False]  # type: ignore[union-attr]
+    scrapes.scrape(fleet, "b", running=5, waiting=3, kv_cache_usage=0.95)  # its KV cache bound it: no seat count
+    scrapes.scrape(fleet, "b", running=9, waiting=0, kv_cache_usage=0.5)
+    state = fleet.snapshot().get("b")
+    assert state is not None and state.filled and state.seats is None  # it stays so once shown
+    fleet.apply([Endpoint("a", "http://a:8000")])
+    fleet.apply([Endpoint(key, f"http://{key}:8000") for key in "ab"])
+    state = fleet.snapshot().get("b")
+    assert state is not None and not state.filled  # a replica that left and came back starts again
+
+
 def test_seats_learned_on_one_replica_guide_the_others_of_its_model_until_they_show_their_own() -> None:
     scrapes = Scrapes()
     models = {"a": frozenset({"m"}), "b": frozenset({"m"}), "c": frozenset({"other"})}

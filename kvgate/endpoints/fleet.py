@@ -94,19 +94,21 @@ class Fleet:
         models = {key: self._models(key) for key in self._endpoints}
         learned: Mapping[str, int] = {} if self._configured_seats else self._seats.learned()
         peers = peer_seats(learned, models) if learned else {}
-        states = tuple(self._state(key, endpoint, models[key], learned.get(key), peers.get(key))
+        filled = self._seats.filled()
+        states = tuple(self._state(key, endpoint, models[key], learned.get(key), peers.get(key), key in filled)
                        for key, endpoint in self._endpoints.items())
         snapshot = FleetSnapshot(endpoints=states, now=now)
         self._cached = (version, snapshot)
         return snapshot
 
     def _state(self, key: str, endpoint: Endpoint, models: frozenset[str], learned_seats: int | None,
-               seats_of_peers: int | None) -> EndpointState:
+               seats_of_peers: int | None, filled: bool) -> EndpointState:
         metrics = self._metrics(key)
         return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key], models=models,
                              healthy=self.health.healthy(key), recent=self._recent[key],
                              grown=self._in_flight[key] - self._open_at_page.get(key, 0),
-                             seats=self._configured_seats or learned_seats, peer_seats=seats_of_peers)
+                             seats=self._configured_seats or learned_seats, peer_seats=seats_of_peers,
+                             filled=filled)
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""

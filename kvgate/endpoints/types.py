@@ -67,6 +67,7 @@ class EndpointState:
     seats: int | None = None  # sequences it runs at once (vLLM --max-num-seqs): configured or learned; None unknown
     # while its own seats are unknown: the fewest learned on another replica serving one of its models (peer_seats)
     peer_seats: int | None = None
+    filled: bool = False  # it has been full, for its seats or its KV cache (SeatLearner.filled)
 
     @property
     def key(self) -> str:

@@ -9,7 +9,7 @@ A replica's load is read from its last scrape moved by what the page does not sh
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Protocol, TypeVar
@@ -144,19 +144,21 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     replica has one.
     `probe` is headroom()'s. A class that `yields` to a more important one counts what a replica's KV cache
     holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
-    past its last scrape, so that its requests never make a queue that others wait behind. A class that does
+    past its last scrape, one replica at a time (first_to_fill), so that its requests never make a queue that
+    others wait behind. A class that does
     not probe finds no room where a prompt of `tokens` (0 = not asked) would wait for KV blocks (kv_fits).
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
+    first = first_to_fill(candidates) if yields else None
     for state in candidates:
         seats = slots(likely_seats(state), state.metrics, limits.kv_cache) if yields else likely_seats(state)
         if seats:
             seated.append((state, seats))
         else:
-            room += _room_on(state, limits, probe, yields, tokens)
+            room += _room_on(state, limits, probe, yields, tokens, first)
     if seated:
-        seated_room = sum(_room_on(state, limits, probe, yields, tokens) for state, _ in seated)
+        seated_room = sum(_room_on(state, limits, probe, yields, tokens, first) for state, _ in seated)
         if reserve > 0:
             total = sum(seats for _, seats in seated)
             kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
@@ -166,10 +168,27 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     return room
 
 
-def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: int = 0) -> bool:
+def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: int = 0,
+             first: str | None = None) -> bool:
     """Whether one replica takes one more request of a class so standing, its reserve aside (`tokens` as in
-    fleet_headroom)."""
-    return _room_on(state, limits, standing.probes, standing.yields, tokens) >= 1
+    fleet_headroom, `first` the key first_to_fill() gives for its candidates)."""
+    return _room_on(state, limits, standing.probes, standing.yields, tokens, first) >= 1
+
+
+def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
+    """While no candidate's seats are known (likely_seats), the one replica a class that yields fills: the first
+    by key of those scraped that have not been full yet (`EndpointState.filled`); None once a count is known or
+    every one has been full.
+
+    Seats are learned from a queue, so a replica must fill before its count is known. Filled one at a time, only
+    that replica makes a queue that interactive requests could meet, and they find seats on the others; once it
+    shows its seats the others take that count (peer_seats) and keep the reserve from the start. A replica full
+    for its KV cache, not its seats, shows no count: the next one fills then. Every gateway picks the same.
+    """
+    if any(likely_seats(state) for state in candidates):
+        return None
+    return min((state.key for state in candidates if state.metrics.scraped_at is not None and not state.filled),
+               default=None)
 
 
 def kv_fits(state: EndpointState, tokens: int) -> bool:
@@ -190,11 +209,13 @@ def kv_fits(state: EndpointState, tokens: int) -> bool:
     return free >= tokens
 
 
-def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int) -> float:
+def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int,
+             first: str | None = None) -> float:
     """headroom() of one replica; none for a class that does not probe where its prompt would wait for KV blocks
     (unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
     for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
-    (and `seated_queue` more, as for a replica whose seats are known)."""
+    (and `seated_queue` more, as for a replica whose seats are known), and nothing past it while another replica,
+    `first`, fills first (first_to_fill)."""
     if tokens and not probe and limits.kv_cache < 1.0 and not kv_fits(state, tokens):
         return 0.0
     room = headroom(state, limits, probe, yields)
@@ -205,7 +226,8 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
         allowed = limits.seated_queue - metrics.waiting - unseen(state)
     else:  # growth is what this gateway opened there, net, since the scrape started: neither what the page lags
         # behind its count nor a request that took the place of one finished while the scrape was in flight
-        allowed = growth_step(metrics, state.peer_seats) + limits.seated_queue - state.grown
+        step = growth_step(metrics, state.peer_seats) if first in (None, state.key) else 0
+        allowed = step + limits.seated_queue - state.grown
     return min(room, max(0, allowed))
 
 
@@ -320,7 +342,8 @@ class SeatLearner:
     the KV cache was full (at `kv_full` or more): then the queue waits for blocks, and the running count
     says how many of these prompts fit, not how many seats there are. Once known it only grows: a replica
     never runs more than it has seats, and headroom() lets one request past a learned count so that a
-    low one corrects itself.
+    low one corrects itself. It also tells which replicas have been full at all (filled): a queue on two scrapes
+    in a row, whatever bound it.
     """
 
     def __init__(self, kv_full: float) -> None:
@@ -328,6 +351,8 @@ class SeatLearner:
         self._seats: dict[str, int] = {}
         # replicas whose last scrape showed a queue -> their running count and engine steps then
         self._queued: dict[str, tuple[int, int | None]] = {}
+        self._waited: set[str] = set()  # replicas whose last scrape showed a queue, whatever bound it
+        self._filled: set[str] = set()  # replicas that showed a queue on two scrapes in a row
 
     def observe(self, key: str, metrics: ReplicaMetrics) -> int | None:
         """Take in one successful scrape of `key`; returns its seat count when this scrape changed it."""
@@ -339,6 +364,9 @@ class SeatLearner:
             self._queued[key] = (metrics.running, metrics.engine_steps)
         else:
             self._queued.pop(key, None)
+        if metrics.waiting > 0 and key in self._waited:
+            self._filled.add(key)
+        (self._waited.add if metrics.waiting > 0 else self._waited.discard)(key)
         if queued_twice or key in self._seats:
             seats = max(self._seats.get(key, 0), metrics.running)
             if seats and seats != self._seats.get(key):
@@ -350,6 +378,10 @@ class SeatLearner:
         """Every replica's learned seat count, read-only."""
         return MappingProxyType(self._seats)
 
+    def filled(self) -> Set[str]:
+        """The replicas that have shown a queue on two scrapes in a row, for their seats or their KV cache."""
+        return self._filled
+
     def seats(self, key: str) -> int | None:
         """The learned seat count of `key`, None while unknown."""
         return self._seats.get(key)
@@ -358,6 +390,8 @@ class SeatLearner:
         """Drop what was learned about a replica that left."""
         self._seats.pop(key, None)
         self._queued.pop(key, None)
+        self._waited.discard(key)
+        self._filled.discard(key)
 
 
 class SeatHolder(Protocol):

@@ -233,7 +233,8 @@ class Gateway:
             endpoints.append({
                 "key": state.key, "url": state.endpoint.url, "pool": state.endpoint.pool,
                 "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
-                "seats": state.seats, "peer_seats": state.peer_seats, "occupied": occupied(state),
+                "seats": state.seats, "peer_seats": state.peer_seats, "filled": state.filled,
+                "occupied": occupied(state),
                 "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
                 "routing": "precise" if self.precise is not None and self.precise.is_precise(state.key)
                 else "approximate",
