@@ -153,6 +153,8 @@ def test_a_class_that_yields_fills_one_replica_of_unknown_seats_at_a_time_until_
     assert room_for([queued, b, replaced], limits, batch) == 2 + 1  # b's step, and c's finished one replaced
     assert first_to_fill([dataclasses.replace(a, seats=32), b, c]) is None  # a count is known: all grow toward it
     assert first_to_fill([dataclasses.replace(a, metrics=ReplicaMetrics())]) is None  # never scraped: fails open
+    stale = dataclasses.replace(a, metrics=dataclasses.replace(metrics, stale=True))
+    assert first_to_fill([stale, b, c]) == "b"  # its page cannot be read: it would teach nothing
 
 
 def test_a_replica_of_unknown_seats_grows_one_at_a_time_past_the_seats_its_peers_showed() -> None:

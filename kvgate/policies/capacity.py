@@ -145,8 +145,8 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     `probe` is headroom()'s. A class that `yields` to a more important one counts what a replica's KV cache
     holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
     past its last scrape, one replica at a time (first_to_fill), so that its requests never make a queue that
-    others wait behind. A class that does
-    not probe finds no room where a prompt of `tokens` (0 = not asked) would wait for KV blocks (kv_fits).
+    others wait behind. A class that does not probe finds no room where a prompt of `tokens` (0 = not asked)
+    would wait for KV blocks (kv_fits).
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
@@ -177,8 +177,9 @@ def has_room(state: EndpointState, limits: SaturationThresholds, standing: Class
 
 def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
     """While no candidate's seats are known (likely_seats), the one replica a class that yields fills: the first
-    by key of those scraped that have not been full yet (`EndpointState.filled`); None once a count is known or
-    every one has been full.
+    by key of those whose metrics are fresh and that have not been full yet (`EndpointState.filled`); None once a
+    count is known or none is left to fill (a replica whose page cannot be read teaches nothing, so the next one
+    fills meanwhile).
 
     Seats are learned from a queue, so a replica must fill before its count is known. Filled one at a time, only
     that replica makes a queue that interactive requests could meet, and they find seats on the others; once it
@@ -187,8 +188,7 @@ def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
     """
     if any(likely_seats(state) for state in candidates):
         return None
-    return min((state.key for state in candidates if state.metrics.scraped_at is not None and not state.filled),
-               default=None)
+    return min((state.key for state in candidates if not state.metrics.stale and not state.filled), default=None)
 
 
 def kv_fits(state: EndpointState, tokens: int) -> bool:
