@@ -44,7 +44,7 @@ class AdmissionConfig:
     max_wait: Mapping[str, float] = field(default_factory=lambda: {"interactive": 30.0, "batch": 600.0})
     min_share: float = 0.05  # of dispatches that go to a waiting lower class while higher ones wait
     retry_after_s: int = 2
-    reserve: Mapping[str, float] = field(default_factory=lambda: {"batch": 0.05})  # share of seats kept free
+    reserve: Mapping[str, float] = field(default_factory=lambda: {"batch": 0.1})  # share of seats kept free
     reserve_idle_s: float = 10.0  # a class's reserve is lifted after this long without a more important request
     preemptible: tuple[str, ...] = ("batch",)  # classes whose non-streamed requests may give up their seat
     max_preemptions: int = 3  # times one request may be preempted; after that it keeps its seat
