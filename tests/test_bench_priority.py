@@ -75,6 +75,19 @@ def test_a_given_capacity_replaces_the_probe_in_the_plan_and_the_report(quick_ru
     assert "Capacity: 24.0 req/s as given" in render_markdown(given)
 
 
+def test_a_full_run_lasts_until_its_p99_rests_on_enough_interactive_requests() -> None:
+    flags = dict(rows=None, duration=20.0, unloaded_duration=None, capacity_duration=None, replicas=None, seed=None,
+                 capacity=None, quick=False)
+    kv_bound = plan_from(argparse.Namespace(**flags, fleet="kv-bound")).sized_for(5.2)
+    # 20 % of 5.2 req/s (1.04) for 200 requests; 30 % of twice 5.2 req/s (3.12) for 200 requests
+    assert (kv_bound.unloaded_s, kv_bound.overload_s) == (193.0, 65.0)
+    assert kv_bound.drain_cap_s == 3.0 * 65.0 + 10
+    seats32 = plan_from(argparse.Namespace(**flags, fleet="seats32")).sized_for(43.1)
+    assert (seats32.unloaded_s, seats32.overload_s) == (30.0, 20.0)  # 259 and 517 interactive requests already
+    quick = plan_from(argparse.Namespace(**{**flags, "quick": True}, fleet="kv-bound")).sized_for(5.2)
+    assert (quick.unloaded_s, quick.overload_s) == (8.0, 20.0)  # a quick run is a smoke test: its lengths hold
+
+
 def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(
         quick_run: tuple[dict[str, Any], str]) -> None:
     report, _ = quick_run

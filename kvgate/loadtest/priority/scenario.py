@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import functools
+import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -107,6 +108,21 @@ class Plan:
     # loads are multiples of this rate instead of the probe's: runs of different code meet the same load (a real
     # engine's probe moved between 16.6 and 46.5 req/s from run to run)
     capacity_rps: float | None = None
+    # interactive requests each timed run sends at least: a run whose interactive rate is low lasts longer than its
+    # preset, so that its TTFT p99 is not merely its slowest request (one of 27 in a 30 s unloaded run of 1 req/s)
+    min_interactive: int = 0
+
+    def sized_for(self, capacity: float) -> Plan:
+        """This plan at a capacity of `capacity` req/s: the unloaded and overload runs lengthened until each sends
+        min_interactive interactive requests."""
+        def lasting(seconds: float, interactive_rps: float) -> float:
+            if interactive_rps <= 0:
+                return seconds
+            return max(seconds, float(math.ceil(self.min_interactive / interactive_rps)))
+
+        return dataclasses.replace(
+            self, unloaded_s=lasting(self.unloaded_s, self.unloaded_fraction * capacity),
+            overload_s=lasting(self.overload_s, self.overload_factor * capacity * (1 - self.batch_fraction)))
 
     @property
     def drain_cap_s(self) -> float:
@@ -146,7 +162,7 @@ class Plan:
 # Small enough for a 2-core machine: tens of requests per second, so the Python load generator keeps its schedule.
 SIM = SimOptions(max_num_seqs=32, decode_step_seconds=0.05, default_max_tokens=32, speed=1.0)
 FULL = Plan(replicas=3, sim=SIM, max_tokens=32, prompt_words=48, capacity_s=8,
-            unloaded_s=30, overload_s=60, rows=("a", "b", "c", "d", "e", "f", "g", "h"))
+            unloaded_s=30, overload_s=60, rows=("a", "b", "c", "d", "e", "f", "g", "h"), min_interactive=200)
 # Fleets whose binding limit differs (--fleet): seats; the KV cache (prompts of ~1,500 tokens, 500 blocks of 16
 # tokens per replica: about 5 sequences fit in 8 seats); compute (256 seats, each running sequence slows a step).
 FLEETS = {
@@ -159,7 +175,8 @@ FLEETS = {
     "real": {"sim": SimOptions(max_num_seqs=8, default_max_tokens=32, models=("tiny-llama",)), "replicas": 2,
              "real": True, "rows": ("b", "a", "g", "h")},
 }
-QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"))
+QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"),
+                            min_interactive=0)
 
 
 async def admission_counters(gateway_url: str) -> dict[str, float]:
@@ -215,8 +232,10 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
         measured = None if plan.capacity_rps else await measure_throughput(
             urls, 2 * seats, plan.capacity_warmup_s, plan.capacity_s, plan.body_for)
         capacity = plan.capacity_rps or measured or 0.0
+        plan = plan.sized_for(capacity)
         progress(f"capacity: {'given' if plan.capacity_rps else 'measured'} {capacity:.1f} req/s, "
-                 f"derived {plan.derived_capacity():.1f} req/s")
+                 f"derived {plan.derived_capacity():.1f} req/s; runs of {plan.unloaded_s:.0f} s unloaded, "
+                 f"{plan.overload_s:.0f} s overloaded")
         async with running(start_gateway("unloaded-kvgate", urls, ADMISSION.gateway_flags(plan.sim), log_dir)) as url:
             unloaded = await _run(plan, url, urls, "unloaded", f"{ADMISSION.title}, interactive only",
                                   plan.unloaded_fraction * capacity, plan.unloaded_s, 0.0, plan.seed, plan.body_for)
@@ -248,9 +267,11 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Rows, the other runs' lengths and the fleet (--duration is each overload run's)."""
+    """Rows, the other runs' lengths and the fleet (--duration is each overload run's; a full run lengthens a run until
+    it sends 200 interactive requests, Plan.min_interactive)."""
     parser.add_argument("--rows", help=f"comma-separated rows to run, of {','.join(ROWS)} (--quick: a-c)")
-    parser.add_argument("--unloaded-duration", type=float, help="seconds of the unloaded run")
+    parser.add_argument("--unloaded-duration", type=float, help="seconds of the unloaded run (without --quick, at least as "
+                        "long as 200 interactive requests take to send)")
     parser.add_argument("--capacity-duration", type=float, help="seconds the capacity probe measures")
     parser.add_argument("--capacity", type=float, metavar="RPS",
                         help="the fleet's capacity in requests/s, instead of probing it: loads are multiples of it, "
