@@ -166,8 +166,8 @@ def render_markdown(report: dict[str, Any]) -> str:
              f"{sim['speed']}, decode step {sim['decode_step_seconds']} s + {sim['decode_seconds_per_seq']} s per "
              "running sequence")
     queue_source = "vLLM's num_requests_waiting" if real else "`/sim/stats`"
-    lengthened = (f" (each run lasts at least until it has sent {plan['min_interactive']} interactive requests, so "
-                  "that a p99 is not merely the slowest request)" if plan.get("min_interactive") else "")
+    lengthened = (f" Each run lasts at least until it has sent {plan['min_interactive']} interactive requests, so "
+                  "that a p99 is not merely the slowest request." if plan.get("min_interactive") else "")
     derived = ("" if real else f"; {capacity['derived_rps']} req/s from the simulator's timing model (the difference "
                "is CPU contention on this machine)")
     lines = [
@@ -191,11 +191,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{plan['unloaded_fraction']:.0%} of capacity for {plan['unloaded_s']} s. Overload: {plan['overload_factor']}x "
         f"capacity, {plan['batch_fraction']:.0%} batch (`x-priority: batch`), for {plan['overload_s']} s, after "
         f"{plan['lead_in_s']} s of its interactive share alone (the flood lands on interactive traffic already "
-        f"flowing){lengthened}, then up to {plan['drain_cap_s']:.0f} s for open requests to finish (a request still open then "
-        f"counts as lost). TTFT is the time to the first content chunk, of requests sent during the flood; every "
-        f"request counts in ok / 429 / err / lost. Batch req/s counts completed batch requests from the flood's "
-        f"start to the end of its drain; batch preempted counts the times kvgate took a batch request's seat back "
-        f"for an interactive one (it then queued again). Replica queue: requests waiting inside the replicas "
+        f"flowing), then up to {plan['drain_cap_s']:.0f} s for open requests to finish (a request still open then "
+        f"counts as lost).{lengthened} TTFT is the time to the first content chunk, of requests sent during the "
+        f"flood; every request counts in ok / 429 / err / lost. Batch req/s counts completed batch requests from the "
+        f"flood's start to the end of its drain; batch preempted counts the times kvgate took a batch request's seat "
+        f"back for an interactive one (it then queued again). Replica queue: requests waiting inside the replicas "
         f"({queue_source}), kvgate queue: its admission queue, stale scrapes: share of samples where kvgate judged a "
         f"replica on stale metrics (headroom then counts only what was sent since the last good scrape); all "
         f"sampled every 0.5 s while the load was on.",

@@ -267,11 +267,12 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Rows, the other runs' lengths and the fleet (--duration is each overload run's; a full run lengthens a run until
-    it sends 200 interactive requests, Plan.min_interactive)."""
+    """Rows, the other runs' lengths and the fleet (--duration is each overload run's; without --quick a run lasts
+    until it has sent Plan.min_interactive interactive requests)."""
     parser.add_argument("--rows", help=f"comma-separated rows to run, of {','.join(ROWS)} (--quick: a-c)")
-    parser.add_argument("--unloaded-duration", type=float, help="seconds of the unloaded run (without --quick, at least as "
-                        "long as 200 interactive requests take to send)")
+    parser.add_argument("--unloaded-duration", type=float,
+                        help=f"seconds of the unloaded run (without --quick, at least as long as "
+                             f"{FULL.min_interactive} interactive requests take to send, as is each overload run)")
     parser.add_argument("--capacity-duration", type=float, help="seconds the capacity probe measures")
     parser.add_argument("--capacity", type=float, metavar="RPS",
                         help="the fleet's capacity in requests/s, instead of probing it: loads are multiples of it, "
