@@ -349,24 +349,23 @@ class SeatLearner:
     def __init__(self, kv_full: float) -> None:
         self._kv_full = kv_full
         self._seats: dict[str, int] = {}
-        # replicas whose last scrape showed a queue -> their running count and engine steps then
-        self._queued: dict[str, tuple[int, int | None]] = {}
-        self._waited: set[str] = set()  # replicas whose last scrape showed a queue, whatever bound it
+        # replicas whose last scrape showed a queue -> their running count and engine steps then, and whether their
+        # seats bound it (the KV cache was not full)
+        self._queued: dict[str, tuple[int, int | None, bool]] = {}
         self._filled: set[str] = set()  # replicas that showed a queue on two scrapes in a row
 
     def observe(self, key: str, metrics: ReplicaMetrics) -> int | None:
         """Take in one successful scrape of `key`; returns its seat count when this scrape changed it."""
         seat_bound = metrics.waiting > 0 and metrics.kv_cache_usage < self._kv_full
         before = self._queued.get(key)
-        queued_twice = seat_bound and before is not None and before[0] == metrics.running and (
+        queued_twice = seat_bound and before is not None and before[2] and before[0] == metrics.running and (
             before[1] is None or metrics.engine_steps is None or metrics.engine_steps > before[1])
-        if seat_bound:
-            self._queued[key] = (metrics.running, metrics.engine_steps)
+        if metrics.waiting > 0:
+            if before is not None:
+                self._filled.add(key)
+            self._queued[key] = (metrics.running, metrics.engine_steps, seat_bound)
         else:
             self._queued.pop(key, None)
-        if metrics.waiting > 0 and key in self._waited:
-            self._filled.add(key)
-        (self._waited.add if metrics.waiting > 0 else self._waited.discard)(key)
         if queued_twice or key in self._seats:
             seats = max(self._seats.get(key, 0), metrics.running)
             if seats and seats != self._seats.get(key):
@@ -390,7 +389,6 @@ class SeatLearner:
         """Drop what was learned about a replica that left."""
         self._seats.pop(key, None)
         self._queued.pop(key, None)
-        self._waited.discard(key)
         self._filled.discard(key)
 
 
