@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, first_to_fill, has_room,
-                                      kv_fits, kv_slots, occupied, peer_seats, room_for, seat_to_free)
+                                      kv_room, kv_slots, occupied, peer_seats, room_for, seat_to_free)
 from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
 
@@ -213,11 +214,14 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_
                                  scraped_at=1.0, stale=False)
         return EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=recent)
 
-    assert not kv_fits(cache(4, 0.81), 1500)  # 1,520 tokens free, less a block for each running one to grow
-    assert kv_fits(cache(3, 0.61), 1500)
-    assert not kv_fits(cache(3, 0.61, recent=1), 1500)  # one sent since holds as much as each running one
-    assert kv_fits(cache(4, 0.81), 100)  # a short prompt still fits beside long ones
-    assert kv_fits(EndpointState(Endpoint("b", "http://b:8000")), 10**6)  # never scraped: no reason to think not
+    assert kv_room(cache(4, 0.81), 1500) == 0  # 1,520 tokens free, less a block for each running one to grow
+    assert kv_room(cache(3, 0.61), 1500) == 2  # 3,072 tokens free: two prompts of 94 blocks, each with one to grow
+    assert kv_room(cache(3, 0.61, recent=1), 1500) == 0  # one sent since holds as much as each running one
+    assert kv_room(cache(4, 0.81), 100) == 11  # short prompts still fit beside long ones
+    assert kv_room(cache(4, 0.81, recent=-1), 1500) == 2  # one finished since: its blocks are free before the page
+    assert kv_room(EndpointState(Endpoint("b", "http://b:8000")), 10**6) == math.inf  # never scraped: no reason
     mixed = ClassStanding(alone=False)
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 0
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full
+    # Requests released together decide on one scrape: a replica with blocks for two takes two, not its queue's five.
+    assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 2

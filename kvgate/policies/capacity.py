@@ -146,7 +146,7 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
     past its last scrape, one replica at a time (first_to_fill), so that its requests never make a queue that
     others wait behind. A class that does not probe finds no room where a prompt of `tokens` (0 = not asked)
-    would wait for KV blocks (kv_fits).
+    would wait for KV blocks (kv_room).
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
@@ -191,34 +191,39 @@ def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
     return min((state.key for state in candidates if not state.metrics.stale and not state.filled), default=None)
 
 
-def kv_fits(state: EndpointState, tokens: int) -> bool:
-    """Whether a prompt of `tokens` finds KV blocks free on the replica now, as far as its last fresh scrape tells.
+def kv_room(state: EndpointState, tokens: int) -> float:
+    """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells.
 
     vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share
     of the cache, less what each request sent since holds (the running ones' mean, or this prompt if larger) and
-    a block for each running sequence to grow by; a replica whose cache size is unknown, or whose metrics are
-    stale, is taken to have room.
+    plus what each one finished since held (the mean: vLLM frees a request's blocks before its answer ends), less a
+    block for each running sequence to grow by; each prompt takes its whole blocks and one to grow by. A count,
+    not a yes or no: requests released together all decide on the same scrape, and a replica with blocks for one
+    must not take them all. Infinite where the cache size is unknown or the metrics are stale (no reason to think
+    not).
     """
     metrics = state.metrics
-    capacity = metrics.kv_capacity_tokens
-    if capacity is None or metrics.block_size is None or metrics.stale or metrics.scraped_at is None:
-        return True
+    capacity, block = metrics.kv_capacity_tokens, metrics.block_size
+    if capacity is None or block is None or metrics.stale or metrics.scraped_at is None:
+        return math.inf
     used = metrics.kv_cache_usage * capacity
-    held = max(used / metrics.running if metrics.running else 0.0, tokens)
-    free = capacity - used - max(0, unseen(state)) * held - metrics.block_size * (metrics.running + 1)
-    return free >= tokens
+    mean = used / metrics.running if metrics.running else 0.0
+    since = unseen(state)
+    free = capacity - used - since * (max(mean, tokens) if since > 0 else mean) - block * metrics.running
+    return max(0, math.floor(free / (math.ceil(tokens / block) * block + block)))
 
 
 def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int,
              first: str | None = None) -> float:
-    """headroom() of one replica; none for a class that does not probe where its prompt would wait for KV blocks
-    (unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
+    """headroom() of one replica; for a class that does not probe, at most as many as its prompt's KV blocks are
+    free for (kv_room; unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
     for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
     (and `seated_queue` more, as for a replica whose seats are known), and nothing past it while another replica,
     `first`, fills first (first_to_fill)."""
-    if tokens and not probe and limits.kv_cache < 1.0 and not kv_fits(state, tokens):
+    kv = kv_room(state, tokens) if tokens and not probe and limits.kv_cache < 1.0 else math.inf
+    if not kv:
         return 0.0
-    room = headroom(state, limits, probe, yields)
+    room = min(kv, headroom(state, limits, probe, yields))
     metrics = state.metrics
     if not yields or state.seats or metrics.scraped_at is None:
         return room
