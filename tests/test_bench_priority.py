@@ -27,7 +27,7 @@ from kvgate.loadtest.priority.scenario import FLEETS, ROWS, plan_from
 from kvgate.simulator import SimOptions
 from tests.bench_run import run_bench
 
-TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c"]
+TINY = ["--quick", "--duration", "3", "--unloaded-duration", "2", "--capacity-duration", "1", "--rows", "a,b,c,i"]
 
 
 @pytest.fixture(scope="module")
@@ -49,16 +49,17 @@ def test_quick_run_answers_every_request(quick_run: tuple[dict[str, Any], str]) 
             assert stats["lost"] == 0, (run["key"], name, stats)
             assert stats["ok"] + stats["shed"] + stats["errors"] == stats["sent"]
     assert report["unloaded"]["interactive"]["ok"] > 0
-    assert all(run["batch"]["ok"] > 0 for run in report["runs"])
+    assert all(run["batch"]["ok"] > 0 for run in report["runs"] if run["key"] != report["floor"])
 
 
 def test_report_has_the_unloaded_run_and_every_requested_row(quick_run: tuple[dict[str, Any], str]) -> None:
     report, docs = quick_run
-    assert [run["key"] for run in report["runs"]] == ["a", "b", "c"]
+    assert [run["key"] for run in report["runs"]] == ["a", "b", "c", "i"]
     assert report["capacity"]["measured_rps"] > 0
-    assert [v["key"] for v in report["verdicts"]] == ["a"]  # only rows with admission control are judged
-    for row in ("| unloaded ", "| (a) ", "| (b) ", "| (c) "):
+    assert [v["key"] for v in report["verdicts"]] == ["a"]  # only rows with admission control under the flood
+    for row in ("| unloaded ", "| (a) ", "| (b) ", "| (c) ", "| (i) "):
         assert row in docs
+    assert "- (i) the floor: " in docs and "against it: (a) " in docs
     assert "routing table" in docs  # another benchmark's section survives
 
 
@@ -86,6 +87,14 @@ def test_a_full_run_lasts_until_its_p99_rests_on_enough_interactive_requests() -
     assert (seats32.unloaded_s, seats32.overload_s) == (30.0, 20.0)  # 259 and 517 interactive requests already
     quick = plan_from(argparse.Namespace(**{**flags, "quick": True}, fleet="kv-bound")).sized_for(5.2)
     assert (quick.unloaded_s, quick.overload_s) == (8.0, 20.0)  # a quick run is a smoke test: its lengths hold
+
+
+def test_the_floor_row_sends_the_floods_interactive_requests_alone(quick_run: tuple[dict[str, Any], str]) -> None:
+    report, _ = quick_run
+    runs = {run["key"]: run for run in report["runs"]}
+    assert report["floor"] == "i" and not ROWS["i"].judged and ROWS["g"].judged
+    assert runs["i"]["batch"]["sent"] == 0
+    assert runs["i"]["interactive"]["sent"] == runs["a"]["interactive"]["sent"] > 0  # the same schedule's share
 
 
 def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(

@@ -54,6 +54,12 @@ class RowSpec:
     seats_learned: bool = False  # kvgate learns the replicas' max_num_seqs from /metrics instead of being told it
     no_config: bool = False  # `kvgate serve --endpoints ...` and nothing else: kvgate's defaults, seats learned
     batch_stream: bool = False  # batch requests stream (so kvgate cannot preempt them) instead of reading whole answers
+    batch: bool = True  # the flood's batch requests are sent; without them the row is its interactive requests alone
+
+    @property
+    def judged(self) -> bool:
+        """Whether the row is held to the targets: admission control under the whole flood."""
+        return self.admission and self.batch
 
     def sim_options(self, base: SimOptions) -> SimOptions:
         """Replica settings of this row: `base`, with priority scheduling when kvgate sends priorities."""
@@ -84,6 +90,8 @@ ROWS = {row.key: row for row in (
     RowSpec("g", "kvgate with no configuration (defaults, seats learned, replicas first come first served), batch "
                  "streamed", upstream_priority=False, no_config=True, batch_stream=True),
     RowSpec("h", "kvgate with no configuration, batch reading whole answers", upstream_priority=False, no_config=True),
+    RowSpec("i", "kvgate with no configuration, the flood's interactive requests alone (no batch): the floor no "
+                 "admission control can beat", upstream_priority=False, no_config=True, batch=False),
 )}
 
 
@@ -162,18 +170,18 @@ class Plan:
 # Small enough for a 2-core machine: tens of requests per second, so the Python load generator keeps its schedule.
 SIM = SimOptions(max_num_seqs=32, decode_step_seconds=0.05, default_max_tokens=32, speed=1.0)
 FULL = Plan(replicas=3, sim=SIM, max_tokens=32, prompt_words=48, capacity_s=8,
-            unloaded_s=30, overload_s=60, rows=("a", "b", "c", "d", "e", "f", "g", "h"), min_interactive=200)
+            unloaded_s=30, overload_s=60, rows=("a", "b", "c", "d", "e", "f", "g", "h", "i"), min_interactive=200)
 # Fleets whose binding limit differs (--fleet): seats; the KV cache (prompts of ~1,500 tokens, 500 blocks of 16
 # tokens per replica: about 5 sequences fit in 8 seats); compute (256 seats, each running sequence slows a step).
 FLEETS = {
     "seats32": {},
     "kv-bound": {"sim": SimOptions(max_num_seqs=8, num_gpu_blocks=500, max_model_len=4096, decode_step_seconds=0.05,
-                                   default_max_tokens=32), "prompt_words": 1000, "rows": ("b", "g", "h")},
+                                   default_max_tokens=32), "prompt_words": 1000, "rows": ("b", "g", "h", "i")},
     "seats256": {"sim": SimOptions(max_num_seqs=256, num_gpu_blocks=4096, decode_step_seconds=0.02,
-                                   decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h")},
+                                   decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h", "i")},
     # Two real engines of 8 seats, the tiny model with dummy weights; row a: their queues ordered by vLLM's priority.
     "real": {"sim": SimOptions(max_num_seqs=8, default_max_tokens=32, models=("tiny-llama",)), "replicas": 2,
-             "real": True, "rows": ("b", "a", "g", "h")},
+             "real": True, "rows": ("b", "a", "g", "h", "i")},
 }
 QUICK = dataclasses.replace(FULL, capacity_s=3, unloaded_s=8, overload_s=10, lead_in_s=1, rows=("a", "b", "c"),
                             min_interactive=0)
@@ -207,9 +215,12 @@ async def _fleet(plan: Plan, name: str, sim: SimOptions, log_dir: Path) -> Async
 
 
 async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: str, rate: float, duration: float,
-               batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0) -> RunResult:
-    """One open-loop run through `gateway_url`, the queues sampled while the load is on."""
-    arrivals = poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
+               batch_fraction: float, seed: int, body_for: BodyFor, lead_in_s: float = 0.0,
+               batch: bool = True) -> RunResult:
+    """One open-loop run through `gateway_url`, the queues sampled while the load is on; without `batch`, only
+    the interactive requests of the same schedule are sent."""
+    arrivals = [arrival for arrival in poisson_arrivals(rate, duration, batch_fraction, seed, lead_in_s)
+                if batch or arrival.priority == INTERACTIVE]
     loop = asyncio.get_running_loop()
     load_end, queues = loop.time() + lead_in_s + duration, QueueSamples()
     probe: ReplicaProbe = VllmProbe() if plan.real else SimProbe()
@@ -249,7 +260,8 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
                                                         log_dir)) as url:
             run = await _run(plan, url, urls, key, row.title, plan.overload_factor * capacity, plan.overload_s,
                              plan.batch_fraction, plan.seed + 1,
-                             functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s)
+                             functools.partial(plan.body_for, batch_stream=row.batch_stream), plan.lead_in_s,
+                             row.batch)
         runs.append(run)
         progress(f"row {key}: interactive TTFT p99 {run.interactive.ttft_p99_ms} ms, batch ok {run.batch.ok} "
                  f"shed {run.batch.shed} lost {run.interactive.lost + run.batch.lost}, wall {run.wall_s} s, replica "
@@ -262,7 +274,8 @@ async def run_benchmark(plan: Plan, log_dir: Path, progress: Callable[[str], Non
         "unloaded": unloaded.to_json(),
         "runs": [run.to_json() for run in runs],
         "verdicts": [verdict(run, unloaded, fifo, ROWS[run.key].batch_stream) for run in runs
-                     if ROWS[run.key].admission],
+                     if ROWS[run.key].judged],
+        "floor": next((run.key for run in runs if not ROWS[run.key].batch), None),
     }
 
 
