@@ -49,7 +49,7 @@ def test_quick_run_answers_every_request(quick_run: tuple[dict[str, Any], str]) 
             assert stats["lost"] == 0, (run["key"], name, stats)
             assert stats["ok"] + stats["shed"] + stats["errors"] == stats["sent"]
     assert report["unloaded"]["interactive"]["ok"] > 0
-    assert all(run["batch"]["ok"] > 0 for run in report["runs"] if run["key"] != report["floor"])
+    assert all(run["batch"]["ok"] > 0 for run in report["runs"] if run["key"] != report["without_batch"])
 
 
 def test_report_has_the_unloaded_run_and_every_requested_row(quick_run: tuple[dict[str, Any], str]) -> None:
@@ -59,7 +59,7 @@ def test_report_has_the_unloaded_run_and_every_requested_row(quick_run: tuple[di
     assert [v["key"] for v in report["verdicts"]] == ["a"]  # only rows with admission control under the flood
     for row in ("| unloaded ", "| (a) ", "| (b) ", "| (c) ", "| (i) "):
         assert row in docs
-    assert "- (i) the floor: " in docs and "against it: (a) " in docs
+    assert "- (i) without batch: " in docs and "against it: (a) " in docs
     assert "routing table" in docs  # another benchmark's section survives
 
 
@@ -89,12 +89,13 @@ def test_a_full_run_lasts_until_its_p99_rests_on_enough_interactive_requests() -
     assert (quick.unloaded_s, quick.overload_s) == (8.0, 20.0)  # a quick run is a smoke test: its lengths hold
 
 
-def test_the_floor_row_sends_the_floods_interactive_requests_alone(quick_run: tuple[dict[str, Any], str]) -> None:
+def test_row_i_sends_the_floods_interactive_requests_alone(quick_run: tuple[dict[str, Any], str]) -> None:
     report, _ = quick_run
     runs = {run["key"]: run for run in report["runs"]}
-    assert report["floor"] == "i" and not ROWS["i"].judged and ROWS["g"].judged
+    assert report["without_batch"] == "i" and not ROWS["i"].judged and ROWS["g"].judged
     assert runs["i"]["batch"]["sent"] == 0
     assert runs["i"]["interactive"]["sent"] == runs["a"]["interactive"]["sent"] > 0  # the same schedule's share
+    assert runs["i"]["offered_rps"] == round(runs["a"]["offered_rps"] * 0.3, 1)
 
 
 def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(

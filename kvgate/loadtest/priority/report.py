@@ -209,20 +209,20 @@ def render_markdown(report: dict[str, Any]) -> str:
             f"(target <= {TTFT_RATIO_LIMIT}x, aim {TTFT_RATIO_AIM}x) {_mark(v['ttft_ok'])}; every request answered "
             f"(200 or 429) {_mark(v['all_answered'])}; batch throughput {v['batch_ratio']}x FIFO's (b) "
             f"(target >= {v.get('batch_target', BATCH_THROUGHPUT_TARGET)}) {_mark(v['batch_ok'])}.")
-    if floor := _floor_note(report, base):
-        lines.append(floor)
+    if alone := _without_batch_note(report, base):
+        lines.append(alone)
     return "\n".join(lines) + "\n"
 
 
-def _floor_note(report: dict[str, Any], base: float) -> str:
-    """What the row without batch says: how near the floor each judged row came; empty without that row."""
+def _without_batch_note(report: dict[str, Any], base: float) -> str:
+    """What the row without batch says: what the flood's interactive requests get alone, and each judged row's p99
+    against it; empty without that row."""
     runs = {run["key"]: run for run in report["runs"]}
-    floor = runs.get(report.get("floor") or "")
-    if floor is None:
+    alone = runs.get(report.get("without_batch") or "")
+    if alone is None:
         return ""
-    p99 = floor["interactive"]["ttft_p99_ms"]
+    p99 = alone["interactive"]["ttft_p99_ms"]
     judged = "; ".join(f"({v['key']}) {runs[v['key']]['interactive']['ttft_p99_ms'] / p99:.2f}x"
                        for v in report["verdicts"]) or "none ran"
-    return (f"- ({floor['key']}) the floor: the flood's interactive requests alone, without its batch requests, "
-            f"reached TTFT p99 {p99:.0f} ms, {p99 / base if base else float('inf'):.2f}x unloaded; no admission "
-            f"control brings a row under it. The judged rows' p99 against it: {judged}.")
+    return (f"- ({alone['key']}) without batch: the flood's interactive requests alone reached TTFT p99 {p99:.0f} ms, "
+            f"{p99 / base if base else float('inf'):.2f}x unloaded. The judged rows' p99 against it: {judged}.")
