@@ -195,8 +195,8 @@ def kv_room(state: EndpointState, tokens: int) -> float:
     """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells.
 
     vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share
-    of the cache, less what each request sent since holds (the running ones' mean, or this prompt if larger) and
-    plus what each one finished since held (the mean: vLLM frees a request's blocks before its answer ends), less a
+    of the cache, less what each request sent since holds (the running ones' mean, or this prompt if larger), plus
+    what each one finished since held (the mean: vLLM frees a request's blocks before its answer ends), less a
     block for each running sequence to grow by; each prompt takes its whole blocks and one to grow by. A count,
     not a yes or no: requests released together all decide on the same scrape, and a replica with blocks for one
     must not take them all. Infinite where the cache size is unknown or the metrics are stale (no reason to think
