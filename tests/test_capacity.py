@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, first_to_fill, has_room,
-                                      kv_room, kv_slots, occupied, peer_seats, room_for, seat_to_free)
+                                      kv_room, kv_seats, kv_slots, occupied, peer_seats, room_for, seat_to_free)
 from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
 
@@ -225,3 +225,17 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full
     # Requests released together decide on one scrape: a replica with blocks for two takes two, not its queue's five.
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 2
+
+
+def test_requests_sent_since_a_scrape_wait_behind_the_kv_blocks_it_showed_free() -> None:
+    # Requests decided on one scrape all saw the same free blocks: the seven released together on a KV-bound fleet
+    # went to one replica, which had blocks for one of them, and waited inside it for 1-2 s.
+    def cache(recent: int) -> EndpointState:  # 500 blocks of 16 tokens, 3,072 tokens free beside 3 running
+        metrics = ReplicaMetrics(running=3, kv_cache_usage=0.61, block_size=16, num_gpu_blocks=500, scraped_at=1.0,
+                                 stale=False)
+        return EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=recent)
+
+    assert kv_seats(cache(0), 1500) == 5  # room for two prompts of 94 blocks, each with one to grow by
+    assert [requests_ahead(cache(recent), 1500) for recent in range(5)] == [0, 0, 1, 2, 3]
+    assert requests_ahead(cache(4), 0) == 0  # a prompt cached whole needs a block to grow by: 192 are free
+    assert kv_seats(dataclasses.replace(cache(0), metrics=ReplicaMetrics(running=3)), 1500) is None  # size unknown

@@ -194,23 +194,46 @@ def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
 def kv_room(state: EndpointState, tokens: int) -> float:
     """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells.
 
-    vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share
-    of the cache, less what each request sent since holds (the running ones' mean, or this prompt if larger), plus
-    what each one finished since held (the mean: vLLM frees a request's blocks before its answer ends), less a
-    block for each running sequence to grow by; each prompt takes its whole blocks and one to grow by. A count,
-    not a yes or no: requests released together all decide on the same scrape, and a replica with blocks for one
-    must not take them all. Infinite where the cache size is unknown or the metrics are stale (no reason to think
-    not).
+    vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share of
+    the cache, less a block for each running sequence to grow by, less what each request sent since holds (the
+    running ones' mean, or this prompt if larger), plus what each one finished since held (the mean: vLLM frees a
+    request's blocks before its answer ends); each prompt takes its whole blocks and one to grow by. A count, not a
+    yes or no: requests released together all decide on the same scrape, and a replica with blocks for one must not
+    take them all. Infinite where the cache size is unknown or the metrics are stale (no reason to think not).
     """
+    free = _kv_free(state.metrics)
+    if free is None:
+        return math.inf
     metrics = state.metrics
+    mean = metrics.kv_cache_usage * metrics.kv_capacity_tokens / metrics.running if metrics.running else 0.0
+    since = unseen(state)
+    free -= since * (max(mean, tokens) if since > 0 else mean)
+    return max(0, math.floor(free / _prompt_tokens_held(tokens, metrics.block_size)))
+
+
+def kv_seats(state: EndpointState, tokens: int) -> int | None:
+    """Sequences the replica runs at once while prompts of `tokens` arrive: those its last fresh scrape shows
+    running and as many more as its free KV blocks held then (each its whole blocks and one to grow by); None where
+    the cache size is unknown or the metrics are stale. What it holds beyond that waits for blocks, as beyond its
+    seats."""
+    free = _kv_free(state.metrics)
+    if free is None:
+        return None
+    return state.metrics.running + max(0, math.floor(free / _prompt_tokens_held(tokens, state.metrics.block_size)))
+
+
+def _kv_free(metrics: ReplicaMetrics) -> float | None:
+    """KV cache tokens free at the last fresh scrape, less a block for each running sequence to grow by; None where
+    the cache size is unknown or the metrics are stale."""
     capacity, block = metrics.kv_capacity_tokens, metrics.block_size
     if capacity is None or block is None or metrics.stale or metrics.scraped_at is None:
-        return math.inf
-    used = metrics.kv_cache_usage * capacity
-    mean = used / metrics.running if metrics.running else 0.0
-    since = unseen(state)
-    free = capacity - used - since * (max(mean, tokens) if since > 0 else mean) - block * metrics.running
-    return max(0, math.floor(free / (math.ceil(tokens / block) * block + block)))
+        return None
+    return capacity * (1.0 - metrics.kv_cache_usage) - block * metrics.running
+
+
+def _prompt_tokens_held(tokens: int, block: int) -> int:
+    """The KV tokens a prompt of `tokens` takes: its whole blocks and one to grow by."""
+    return math.ceil(tokens / block) * block + block
 
 
 def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int,

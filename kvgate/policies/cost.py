@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.capacity import likely_seats, occupied
+from kvgate.policies.capacity import kv_seats, likely_seats, occupied
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.types import RequestInfo
 
@@ -52,20 +52,16 @@ def requests_ahead(state: EndpointState, uncached_tokens: int) -> int:
 
     vLLM's scheduler admits waiting requests in order and stops at the first one it cannot give a seat or
     KV blocks, so a new request waits behind the whole queue, whatever it waits for and however little of
-    its own prompt is uncached: the scraped queue plus one when there is one, and with the seat count
-    known (or likely: its peers'), at least what the replica holds beyond its seats plus one. With no queue,
-    one when its uncached tokens do not fit in the free KV cache: it waits until a running sequence frees blocks.
+    its own prompt is uncached: the scraped queue plus one when there is one, and at least what the replica
+    holds beyond what it runs at once plus one: its seats where known (or likely: its peers'), fewer where its
+    free KV blocks hold fewer prompts of the request's uncached tokens (kv_seats). A request sent since the scrape
+    takes blocks as this one would, so requests decided on one scrape do not all count one replica's free blocks.
     """
-    metrics = state.metrics
     waiting = state.waiting  # fresh scrapes only: a stale one says nothing about now
     ahead = waiting + 1 if waiting else 0
-    seats = likely_seats(state)
-    if seats:
-        ahead = max(ahead, occupied(state) - seats + 1)
-    fresh = not metrics.stale and metrics.scraped_at is not None
-    capacity = metrics.kv_capacity_tokens
-    if not ahead and fresh and capacity and uncached_tokens > (1.0 - metrics.kv_cache_usage) * capacity:
-        ahead = 1  # it waits until a running sequence frees blocks
+    at_once = [count for count in (likely_seats(state) or None, kv_seats(state, uncached_tokens)) if count is not None]
+    if at_once:
+        ahead = max(ahead, occupied(state) - min(at_once) + 1)
     return ahead
 
 
