@@ -269,6 +269,13 @@ def test_rejects_a_non_positive_timeout(session):
         MetricsScraper(lambda: session, interval_s=0.2, timeout_s=0)
 
 
+def test_finished_requests_and_their_prompt_tokens_are_read_from_a_real_page() -> None:
+    metrics = parse_vllm_metrics(REAL_PAGE.read_text(), 1.0)
+    assert (metrics.finished_requests, metrics.finished_prompt_tokens) == (8, 144)
+    page = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
+    assert parse_vllm_metrics(page, 1.0).finished_requests is None  # not exported: nothing to learn from
+
+
 def test_engine_steps_are_read_from_the_iteration_histogram_of_a_real_page() -> None:
     assert parse_vllm_metrics(REAL_PAGE.read_text(), 1.0).engine_steps == 677  # one engine, 677 steps
     page = "\n".join(line for line in REAL_PAGE.read_text().splitlines() if "iteration_tokens" not in line)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 from kvgate.policies.capacity import SeatLearner, peer_seats
+from kvgate.policies.token_rate import PromptTokenRates, fleet_rate
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class Fleet:
         self._open_at_page: dict[str, int] = {}  # _in_flight when the last successful scrape started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
+        self._token_rates = PromptTokenRates()
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -70,6 +72,7 @@ class Fleet:
             self._open_at_scrape.pop(key, None)
             self._open_at_page.pop(key, None)
             self._seats.forget(key)
+            self._token_rates.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -108,7 +111,7 @@ class Fleet:
                              healthy=self.health.healthy(key), recent=self._recent[key],
                              grown=self._in_flight[key] - self._open_at_page.get(key, 0),
                              seats=self._configured_seats or learned_seats, peer_seats=seats_of_peers,
-                             filled=filled)
+                             filled=filled, chars_per_token=self._token_rates.rate(key))
 
     def routable_count(self) -> int:
         """How many endpoints may take new requests."""
@@ -132,9 +135,11 @@ class Fleet:
         if ok:
             self._recent[key] = self._sends[key] - started_at
             self._open_at_page[key] = open_at_start
-            learned = self._seats.observe(key, self._metrics(key))
+            metrics = self._metrics(key)
+            learned = self._seats.observe(key, metrics)
             if learned is not None:
                 log.info("replica seats learned key=%s seats=%d", key, learned)
+            self._token_rates.scraped(key, metrics.finished_requests, metrics.finished_prompt_tokens)
 
     def acquire(self, key: str) -> None:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""
@@ -161,6 +166,16 @@ class Fleet:
         self._version += 1
         if self._in_flight[key] <= 0:
             del self._in_flight[key]
+
+    def answered(self, key: str, prompt_chars: int) -> None:
+        """`key` answered a request whose prompt was `prompt_chars` characters to the end (PromptTokenRates)."""
+        self._token_rates.answered(key, prompt_chars)
+
+    def chars_per_token(self, model: str) -> float | None:
+        """Prompt characters per token on the replicas serving `model` (the median of those learned); None until
+        one is."""
+        return fleet_rate(self._token_rates.rate(key) for key in self._endpoints
+                          if not (served := self._models(key)) or model in served)
 
     def in_flight(self, key: str) -> int:
         """Requests this gateway has open on `key`."""

@@ -37,6 +37,10 @@ class ReplicaMetrics:
     running_lora_adapters: frozenset[str] = frozenset()
     waiting_lora_adapters: frozenset[str] = frozenset()
     engine_steps: int | None = None  # engine steps so far (vllm:iteration_tokens_total's count), None if not exported
+    # requests it finished so far and their prompt tokens (vllm:request_prompt_tokens' count and sum), None if not
+    # exported
+    finished_requests: int | None = None
+    finished_prompt_tokens: int | None = None
     scraped_at: float | None = None  # clock value of the last successful scrape, None if never
     stale: bool = True  # the last scrape failed, was late, or never happened
 
@@ -68,6 +72,7 @@ class EndpointState:
     # while its own seats are unknown: the fewest learned on another replica serving one of its models (peer_seats)
     peer_seats: int | None = None
     filled: bool = False  # it has been full, for its seats or its KV cache (SeatLearner.filled)
+    chars_per_token: float | None = None  # prompt characters per token its engine counted; None until learned
 
     @property
     def key(self) -> str:

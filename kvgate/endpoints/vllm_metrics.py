@@ -18,7 +18,9 @@ WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 LORA_INFO = "vllm:lora_requests_info"
 STEPS = "vllm:iteration_tokens_total_count"  # one observation per engine step
-_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS)
+FINISHED = "vllm:request_prompt_tokens_count"  # one observation per finished request ...
+PROMPT_TOKENS = "vllm:request_prompt_tokens_sum"  # ... of its prompt's length in tokens
+_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS, FINISHED, PROMPT_TOKENS)
 
 
 class MetricsPageError(ValueError):
@@ -49,10 +51,17 @@ def parse_vllm_metrics(page: str, scraped_at: float) -> ReplicaMetrics:
         num_gpu_blocks=sum(blocks_by_engine.values()) or None,
         running_lora_adapters=_adapters(lora, "running_lora_adapters"),
         waiting_lora_adapters=_adapters(lora, "waiting_lora_adapters"),
-        engine_steps=round(sum(s.value for s in by_name[STEPS])) if by_name[STEPS] else None,
+        engine_steps=_total(by_name[STEPS]),
+        finished_requests=_total(by_name[FINISHED]),
+        finished_prompt_tokens=_total(by_name[PROMPT_TOKENS]),
         scraped_at=scraped_at,
         stale=False,
     )
+
+
+def _total(samples: Sequence[Sample]) -> int | None:
+    """The sum of a counter's samples over engines and models, None when the page does not export it."""
+    return round(sum(s.value for s in samples)) if samples else None
 
 
 def _gpu_blocks_by_engine(cache_config: Sequence[Sample]) -> dict[str, int]:

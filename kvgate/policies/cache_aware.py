@@ -173,7 +173,7 @@ class CacheAwarePolicy:
 
     def record(self, request: RequestInfo, chosen: EndpointState) -> None:
         """The chosen replica now caches the request's blocks, and has one more recent request."""
-        capacity = index_capacity_blocks(chosen.metrics, self._config)
+        capacity = index_capacity_blocks(chosen.metrics, self._config, request.chars_per_token)
         self.index.record(chosen.key, request.block_hashes, capacity)
         self._recent.record(chosen.key, self._window)
         if self.precise is not None and request.token_ids:

@@ -20,4 +20,4 @@ class RoutingConfig:
     queue_seconds_per_request: float = 0.05  # wait each request ahead in a replica's queue adds (request time / seats)
     index_default_blocks: int = 31_250  # per-replica index size when the KV capacity is unknown
     index_max_total_blocks: int = 1_000_000  # all replicas together, about 145 B each: ~145 MB worst case
-    chars_per_token: float = 4.0  # to convert a replica's KV capacity in tokens to prefix blocks
+    chars_per_token: float = 4.0  # prompt characters per engine token until the replicas teach theirs (token_rate.py)

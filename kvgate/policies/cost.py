@@ -33,18 +33,25 @@ from kvgate.policies.types import RequestInfo
 
 def tokens_per_block(config: RoutingConfig, request: RequestInfo | None = None) -> float:
     """Prompt tokens in one prefix block of the approximate index: at the request's own characters per token where
-    it was tokenized as its engine does (precise routing), else at the configured estimate."""
+    it was tokenized as its engine does (precise routing), else at the rate its replicas showed or the configured
+    estimate (chars_per_token)."""
     if request is not None and request.token_ids and request.prompt_chars:
         return config.block_chars * len(request.token_ids) / request.prompt_chars
-    return config.block_chars / config.chars_per_token
+    return config.block_chars / chars_per_token(config, request)
 
 
 def prompt_tokens(request: RequestInfo, config: RoutingConfig) -> int:
     """The request's prompt length in tokens: counted where it was tokenized as its engine does (precise routing),
-    else estimated from its serialized size."""
+    else estimated from its serialized size (chars_per_token)."""
     if request.token_ids:
         return len(request.token_ids)
-    return max(1, round(request.prompt_chars / config.chars_per_token))
+    return max(1, round(request.prompt_chars / chars_per_token(config, request)))
+
+
+def chars_per_token(config: RoutingConfig, request: RequestInfo | None = None) -> float:
+    """Prompt characters per engine token: as the request's replicas showed them (PromptTokenRates), else the
+    configured estimate."""
+    return (request.chars_per_token if request is not None else None) or config.chars_per_token
 
 
 def requests_ahead(state: EndpointState, uncached_tokens: int) -> int:

@@ -12,12 +12,13 @@ from kvgate.policies.config import RoutingConfig
 BYTES_PER_BLOCK = 145
 
 
-def index_capacity_blocks(metrics: ReplicaMetrics, config: RoutingConfig) -> int:
-    """How many prefix blocks a replica's KV cache holds: from its scraped cache config, else the default."""
+def index_capacity_blocks(metrics: ReplicaMetrics, config: RoutingConfig, chars_per_token: float | None = None) -> int:
+    """How many prefix blocks a replica's KV cache holds: from its scraped cache config at `chars_per_token` (the
+    configured estimate unless given), else the default."""
     tokens = metrics.kv_capacity_tokens  # the cache's size does not change, so a stale scrape still tells it
     if tokens is None:
         return config.index_default_blocks
-    return max(1, int(tokens * config.chars_per_token / config.block_chars))
+    return max(1, int(tokens * (chars_per_token or config.chars_per_token) / config.block_chars))
 
 
 class PrefixIndex:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -27,6 +28,12 @@ class RequestInfo:
     cache_salt: str | None = None
     token_ids: tuple[int, ...] | None = None  # the prompt as the engine tokenizes it, when a tokenizer is configured
     anchor_tokens: int = 0  # of those, the ones a chat's anchor renders to (0: not tokenized, or no anchor)
+    # prompt characters per engine token, learned from its replicas (policies/token_rate.py); None: not yet learned
+    chars_per_token: float | None = None
+
+    def at_rate(self, chars_per_token: float | None) -> RequestInfo:
+        """The request with its prompt counted at `chars_per_token` (learned from its replicas; None: not yet)."""
+        return self if chars_per_token is None else dataclasses.replace(self, chars_per_token=chars_per_token)
 
 
 @dataclass(frozen=True, slots=True)

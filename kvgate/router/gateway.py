@@ -133,7 +133,7 @@ class Gateway:
         state = snapshot.get(replica)
         if state is None:
             return False
-        self.policy.learn(request, state, snapshot)
+        self.policy.learn(request.at_rate(self.fleet.chars_per_token(request.model)), state, snapshot)
         self.fleet.sent_elsewhere(replica)
         return True
 
@@ -234,6 +234,7 @@ class Gateway:
                 "key": state.key, "url": state.endpoint.url, "pool": state.endpoint.pool,
                 "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
                 "seats": state.seats, "peer_seats": state.peer_seats, "filled": state.filled,
+                "chars_per_token": None if state.chars_per_token is None else round(state.chars_per_token, 3),
                 "occupied": occupied(state),
                 "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
                 "routing": "precise" if self.precise is not None and self.precise.is_precise(state.key)

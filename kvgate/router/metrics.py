@@ -115,16 +115,21 @@ class FleetCollector(Collector):
                                   labels=["replica"])
         seats = GaugeMetricFamily("kvgate_replica_seats", "Sequences a replica runs at once, configured or learned "
                                   "(0 while unknown)", labels=["replica"])
+        rates = GaugeMetricFamily("kvgate_replica_chars_per_token", "Prompt characters per token a replica's engine "
+                                  "counted (absent until learned)", labels=["replica"])
         counts = {"accepting": 0, "not_accepting": 0}
         for state in self._endpoint_states():
             counts["accepting" if state.endpoint.accepting else "not_accepting"] += 1
             stale.add_metric([state.key], int(state.metrics.stale))
             seats.add_metric([state.key], state.seats or 0)
+            if state.chars_per_token is not None:
+                rates.add_metric([state.key], state.chars_per_token)
         for state, count in counts.items():
             endpoints.add_metric([state], count)
         yield endpoints
         yield stale
         yield seats
+        yield rates
         yield GaugeMetricFamily("kvgate_prefix_index_blocks", "Prefix blocks held in the index, all replicas",
                                 value=self._index_blocks())
         yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",

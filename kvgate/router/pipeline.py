@@ -74,6 +74,7 @@ class RequestPipeline:
                                 fairness_id(headers), gateway.config.upstream_priority)
         if gateway.tokenizer is not None:
             request = await gateway.tokenizer.tokenize(request)
+        request = request.at_rate(gateway.fleet.chars_per_token(request.model))
         if key is not None:
             gateway.limiter.admit(key, estimate_tokens(request))
         return request

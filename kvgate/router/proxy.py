@@ -112,6 +112,8 @@ class Forwarder:
                 # An unfinished body means the client or the replica went away: drop the connection so
                 # vLLM sees the disconnect and aborts the generation.
                 if upstream.content.is_eof():
+                    if upstream.status == 200:  # the engine finished it and counted its prompt's tokens
+                        self._fleet.answered(key, request.info.prompt_chars)
                     upstream.release()
                 else:
                     upstream.close()

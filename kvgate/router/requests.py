@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,11 @@ class InferenceRequest:
     def model(self) -> str:
         """The model (or LoRA adapter) it names."""
         return self.info.model
+
+    def at_rate(self, chars_per_token: float | None) -> InferenceRequest:
+        """The request with its prompt counted at `chars_per_token` (RequestInfo.at_rate)."""
+        info = self.info.at_rate(chars_per_token)
+        return self if info is self.info else dataclasses.replace(self, info=info)
 
 
 def parse_request(path: str, raw: bytes, priority_class: str, rank: int, routing: RoutingConfig,

@@ -20,6 +20,12 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to the context length."""
+    return tuple(bound for exponent in range(len(str(max_model_len))) for mantissa in (1, 2, 5)
+                 if (bound := mantissa * 10**exponent) <= max_model_len)
 # fmt: on
 
 _ENGINE_LABELS = ("engine", "model_name")  # sorted, as vLLM prints them
@@ -55,7 +61,6 @@ _UNMODELLED: tuple[tuple[type, str, str, str | None, tuple[str, ...]], ...] = (
     (Counter, "vllm:prompt_tokens_cached_by_source", "Number of cached prompt tokens by source.", "source",
      ("device", "host", "p2p", "disk", "external_unspecified")),
     (Gauge, "vllm:engine_sleep_state", "Engine sleep state.", "sleep_state", ("awake", "weights_offloaded", "discard_all")),
-    (Histogram, "vllm:request_prompt_tokens", "Number of prefill tokens processed.", None, ()),
     (Histogram, "vllm:request_generation_tokens", "Number of generation tokens processed.", None, ()),
     (Histogram, "vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested tokens.", None, ()),
     (Histogram, "vllm:request_params_n", "Histogram of the n request parameter.", None, ()),
@@ -140,6 +145,12 @@ class EngineMetrics:
             "Histogram of number of tokens per engine_step.",
             buckets=ITERATION_BUCKETS,
         )
+        self._prompt_tokens = engine_metric(
+            Histogram,
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            buckets=request_tokens_buckets(options.max_model_len),
+        )
         success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -210,8 +221,9 @@ class EngineMetrics:
     def observe_finished(self, seq: Sequence, now: float) -> None:
         """Count a finished (or aborted) sequence."""
         self._success[seq.finish_reason].inc()
-        if seq.finish_reason is not FinishReason.ABORT:
+        if seq.finish_reason is not FinishReason.ABORT:  # vLLM records no request stats for a client's abort
             self._e2e.observe(now - seq.arrival_time)
+            self._prompt_tokens.observe(seq.num_prompt_tokens)
 
     def render(self) -> bytes:
         """The Prometheus text page."""

@@ -13,6 +13,9 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgate.loadtest.kit.vllm_engine import VllmEngine
+from kvgate.policies.config import RoutingConfig
+from kvgate.policies.prefix_keys import build_request_info
+from kvgate.policies.token_rate import MIN_REQUESTS
 from tests.harness import running_gateway, wait_until
 from tests.metrics_shape import REAL_PAGE, vllm_family_shapes
 from tests.real.conftest import MODEL
@@ -142,6 +145,30 @@ async def test_kvgate_reads_the_engines_metrics_page_and_sizes_its_index_from_it
     assert state.metrics.running == own["vllm:num_requests_running"] == 0
     assert state.metrics.waiting == own["vllm:num_requests_waiting"] == 0
     assert state.metrics.kv_cache_usage == own["vllm:kv_cache_usage_perc"]
+
+
+async def test_kvgate_learns_the_characters_per_token_the_engines_count(fresh_engines):
+    # Prompts of one length (numbers of fixed width) so that each engine's share has the same mean.
+    bodies = [chat(n % 16, [f"Question {n:04d}: which policy section applies to ticket {n * 7919:08d}?"])
+              for n in range(2 * MIN_REQUESTS + 8)]
+    async with running_gateway(endpoints=[e.url for e in fresh_engines], policy="round-robin",
+                               scrape_interval=0.1) as gw, aiohttp.ClientSession() as session:
+        states = lambda: gw.gateway.fleet.snapshot().endpoints  # noqa: E731
+        await wait_until(lambda: all(s.metrics.finished_requests is not None for s in states()), timeout=10)
+        before = [await engine_samples(session, engine) for engine in fresh_engines]
+        for body in bodies:
+            async with session.post(gw.url + "/v1/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+        after = [await engine_samples(session, engine) for engine in fresh_engines]
+        finished = [a["vllm:request_prompt_tokens_count"] for a in after]
+        await wait_until(lambda: [s.metrics.finished_requests for s in states()] == finished, timeout=10)
+        learned = gw.gateway.fleet.chars_per_token(MODEL)
+    tokens = sum(a["vllm:request_prompt_tokens_sum"] - b["vllm:request_prompt_tokens_sum"]
+                 for a, b in zip(after, before))
+    chars = sum(build_request_info("chat", body, "interactive", RoutingConfig()).prompt_chars for body in bodies)
+    assert sum(finished) - sum(b["vllm:request_prompt_tokens_count"] for b in before) == len(bodies)
+    assert learned == pytest.approx(chars / tokens, rel=0.02)  # the engines' count, chat template included
+    assert learned < 3.9  # the tiny model's tokenizer, not the 4 characters a token assumed without it
 
 
 # cache-aware: the cost model's bound on recent request shares may move one continuation while the window is
