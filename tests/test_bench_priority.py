@@ -19,11 +19,15 @@ from kvgate.loadtest.priority.client import (
     Outcome,
     output_tokens,
     poisson_arrivals,
+    request_body,
     run_open_loop,
 )
+from kvgate.engine.tokenizer import EngineTokenizer
 from kvgate.loadtest.kit.report import BadOption
 from kvgate.loadtest.priority.report import render_markdown
 from kvgate.loadtest.priority.scenario import FLEETS, ROWS, plan_from
+from kvgate.policies.config import RoutingConfig
+from kvgate.policies.prefix_keys import build_request_info
 from kvgate.simulator import SimOptions
 from tests.bench_run import run_bench
 
@@ -203,6 +207,16 @@ def test_the_kv_bound_fleet_fills_its_cache_before_its_seats() -> None:
     sim = kv_bound["sim"]
     prompt_tokens = kv_bound["prompt_words"] * 6 / 4  # the simulator's 4 characters per token, ~6 per word
     assert sim.num_gpu_blocks * sim.block_size < sim.max_num_seqs * prompt_tokens
+
+
+def test_the_tokenized_kv_bound_fleet_holds_fewer_prompts_than_four_characters_a_token_say(tiny_model_dir) -> None:
+    fleet = FLEETS["kv-bound-tokenized"]
+    sim = fleet["sim"]
+    body = orjson.loads(request_body(sim.models[0], 0, fleet["prompt_words"], 32))
+    tokens = len(EngineTokenizer.load(str(tiny_model_dir)).request_ids("chat", body))
+    estimate = build_request_info("chat", body, "interactive", RoutingConfig()).prompt_chars / 4
+    cache = sim.num_gpu_blocks * sim.block_size
+    assert cache // tokens < sim.max_num_seqs <= cache // estimate  # the cache binds; at 4 a token, the seats would
 
 
 def test_a_burst_through_kvgate_answers_every_stream(tmp_path: Path) -> None:

@@ -113,6 +113,9 @@ class Plan:
     lead_in_s: float = 5.0  # interactive traffic alone before the batch flood starts
     seed: int = 1
     real: bool = False  # real vLLM engines (the CPU build, one per core) with the sim's seats and model name
+    # simulated engines that tokenize with the tiny test model's tokenizer (about 2.2 characters a token on these
+    # prompts) instead of the simulator's 4 characters a token, the estimate kvgate starts from
+    tokenized: bool = False
     # loads are multiples of this rate instead of the probe's: runs of different code meet the same load (a real
     # engine's probe moved between 16.6 and 46.5 req/s from run to run)
     capacity_rps: float | None = None
@@ -177,6 +180,10 @@ FLEETS = {
     "seats32": {},
     "kv-bound": {"sim": SimOptions(max_num_seqs=8, num_gpu_blocks=500, max_model_len=4096, decode_step_seconds=0.05,
                                    default_max_tokens=32), "prompt_words": 1000, "rows": ("b", "g", "h", "i")},
+    # The same cache, prompts of ~1,750 tokens that kvgate would take for ~950 at 4 characters a token.
+    "kv-bound-tokenized": {"sim": SimOptions(max_num_seqs=8, num_gpu_blocks=500, max_model_len=4096,
+                                             decode_step_seconds=0.05, default_max_tokens=32),
+                           "prompt_words": 600, "rows": ("b", "g", "h", "i"), "tokenized": True},
     "seats256": {"sim": SimOptions(max_num_seqs=256, num_gpu_blocks=4096, decode_step_seconds=0.02,
                                    decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h", "i")},
     # Two real engines of 8 seats, the tiny model with dummy weights; row a: their queues ordered by vLLM's priority.
@@ -203,6 +210,8 @@ async def admission_counters(gateway_url: str) -> dict[str, float]:
 async def _fleet(plan: Plan, name: str, sim: SimOptions, log_dir: Path) -> AsyncIterator[list[str]]:
     """The URLs of a fresh fleet run with `sim`: simulated, or real vLLM engines of its seats, model, scheduling."""
     if not plan.real:
+        if plan.tokenized:
+            sim = dataclasses.replace(sim, tokenizer=str(write_tiny_model(log_dir / name / "model")))
         async with running(start_sim_fleet(name, plan.replicas, sim, log_dir)) as urls:
             yield urls
         return
@@ -293,8 +302,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "so runs of different code (or days) meet the same load")
     parser.add_argument("--replicas", type=int, help="simulated replicas")
     parser.add_argument("--fleet", choices=sorted(FLEETS), default="seats32",
-                        help="the fleet's binding limit: seats (32 each), the KV cache, or compute (256 seats); "
-                             "or 2 real vLLM engines of 8 seats (needs $KVGATE_VLLM_PYTHON, ./dev real sets it up)")
+                        help="the fleet's binding limit: seats (32 each), the KV cache (kv-bound-tokenized: engines "
+                             "that tokenize at about 2.2 characters a token), or compute (256 seats); or 2 real vLLM "
+                             "engines of 8 seats (needs $KVGATE_VLLM_PYTHON, ./dev real sets it up)")
 
 
 def plan_from(options: argparse.Namespace) -> Plan:
