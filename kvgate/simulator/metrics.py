@@ -20,13 +20,13 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                 80.0)
 ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# fmt: on
 
 
-def request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
+def _request_tokens_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to the context length."""
     return tuple(bound for exponent in range(len(str(max_model_len))) for mantissa in (1, 2, 5)
                  if (bound := mantissa * 10**exponent) <= max_model_len)
-# fmt: on
 
 _ENGINE_LABELS = ("engine", "model_name")  # sorted, as vLLM prints them
 MetricT = TypeVar("MetricT", Gauge, Counter, Histogram)
@@ -149,7 +149,7 @@ class EngineMetrics:
             Histogram,
             "vllm:request_prompt_tokens",
             "Number of prefill tokens processed.",
-            buckets=request_tokens_buckets(options.max_model_len),
+            buckets=_request_tokens_buckets(options.max_model_len),
         )
         success = Counter(
             "vllm:request_success",
