@@ -174,8 +174,7 @@ class Fleet:
     def chars_per_token(self, model: str) -> float | None:
         """Prompt characters per token on the replicas serving `model` (the median of those learned); None until
         one is."""
-        return fleet_rate(self._token_rates.rate(key) for key in self._endpoints
-                          if not (served := self._models(key)) or model in served)
+        return fleet_rate(state.chars_per_token for state in self.snapshot().endpoints if state.serves(model))
 
     def in_flight(self, key: str) -> int:
         """Requests this gateway has open on `key`."""
