@@ -536,6 +536,51 @@ def test_batch_holds_at_most_max_loras_adapters():
     assert core.waiting_loras() == ["y"]
 
 
+def test_a_prompt_longer_than_the_token_budget_is_prefilled_in_chunks():
+    core = EngineCore(SimOptions(max_num_batched_tokens=64, block_size=16))
+    seq = _sequence("a", 150, max_tokens=2)
+    core.add(seq)
+    steps = []
+    for step in range(3):
+        work = core.schedule()
+        steps.append((work.prefill_tokens, seq.num_computed, core.cache.pinned_blocks))
+        core.complete_step(now=float(step))
+    # 64 + 64 + 22 tokens; blocks are held only for what is computed, and the first token follows the last chunk.
+    assert steps == [(64, 64, 4), (64, 128, 8), (22, 150, 10)]
+    assert seq.output_ids and seq.first_token_time == 2.0
+    decode = core.schedule()
+    assert (decode.num_tokens, decode.prefill_tokens, decode.num_seqs) == (1, 0, 1)
+
+
+def test_running_sequences_take_the_budget_before_waiting_ones():
+    core = EngineCore(SimOptions(max_num_batched_tokens=64, block_size=16))
+    running = _sequence("a", 40, max_tokens=10)
+    core.add(running)
+    core.schedule()
+    core.complete_step(now=0.0)
+    waiting = _sequence("b", 100, max_tokens=1)
+    core.add(waiting)
+    work = core.schedule()
+    # The decode's token comes first; the new prompt gets the 63 tokens left.
+    assert (work.num_seqs, work.num_tokens, work.prefill_tokens) == (2, 64, 63)
+    assert waiting.num_computed == 63
+    outcome = core.complete_step(now=1.0)
+    assert outcome.advanced == [running] and len(running.output_ids) == 2
+
+
+def test_a_waiting_prompt_needs_blocks_only_for_its_first_chunk():
+    core = EngineCore(SimOptions(max_num_batched_tokens=64, block_size=16, num_gpu_blocks=8, max_model_len=128))
+    holder = _sequence("a", 60, max_tokens=50)
+    core.add(holder)
+    core.schedule()
+    core.complete_step(now=0.0)  # the holder keeps 4 blocks, 4 are free
+    seq = _sequence("b", 120, max_tokens=1)
+    core.add(seq)
+    core.schedule()
+    # The whole prompt needs 8 blocks; its first chunk (63 tokens beside the holder's decode) needs the 4 free ones.
+    assert core.running == [holder, seq] and seq.num_computed == 63 and core.cache.pinned_blocks == 8
+
+
 def test_cli_flags_cover_every_option():
     parser = argparse.ArgumentParser()
     add_sim_arguments(parser)

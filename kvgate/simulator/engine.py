@@ -145,7 +145,7 @@ class AsyncEngine:
         core, metrics = self.core, self._metrics
         step_start = loop.time()
         while True:
-            prefill_tokens = core.schedule()
+            step = core.schedule()
             self._publish_events()
             metrics.publish(core)
             if not core.running:
@@ -155,11 +155,11 @@ class AsyncEngine:
                 continue
             # Sleep until the step's end measured from the previous step's end, so the time handlers
             # spend streaming overlaps the simulated GPU work instead of adding to it.
-            duration = self._options.scaled(core.step_seconds(prefill_tokens))
+            duration = self._options.scaled(core.step_seconds(step))
             await asyncio.sleep(max(0.0, step_start + duration - loop.time()))
             now = step_start = loop.time()
             outcome = core.complete_step(now)
-            metrics.observe_step(outcome, now, prefill_tokens)
+            metrics.observe_step(outcome, now, step.num_tokens)
             for seq in outcome.advanced:
                 self._owners[seq].changed.set()
             for seq in outcome.finished:

@@ -204,10 +204,9 @@ class EngineMetrics:
                 time.time()
             )
 
-    def observe_step(self, outcome: StepOutcome, now: float, prefill_tokens: int) -> None:
-        """Record one engine step: the tokens it computed (prefill and one per sequence), token latencies and
-        completions."""
-        self._iteration_tokens.observe(prefill_tokens + len(outcome.advanced))
+    def observe_step(self, outcome: StepOutcome, now: float, num_tokens: int) -> None:
+        """Record one engine step: the tokens it computed, token latencies and completions."""
+        self._iteration_tokens.observe(num_tokens)
         for seq in outcome.advanced:
             if seq.last_token_time != now:
                 continue

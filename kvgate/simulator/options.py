@@ -26,6 +26,8 @@ class SimOptions:
     num_gpu_blocks: int = _knob(2048, "KV cache capacity in blocks")
     enable_prefix_caching: bool = _knob(True, "keep full blocks cached for reuse by later requests")
     max_num_seqs: int = _knob(64, "sequences in the running batch at most; the rest wait")
+    max_num_batched_tokens: int = _knob(8192, "tokens one engine step computes at most; longer prefills are chunked "
+                                              "(vLLM's default on H100/H200; 2048 on other GPUs and on CPU)")
     prefill_seconds_per_token: float = _knob(0.0001, "prefill cost of each uncached prompt token")
     decode_step_seconds: float = _knob(0.015, "fixed cost of one engine step")
     decode_seconds_per_seq: float = _knob(0.0003, "added step cost per running sequence")
@@ -58,6 +60,7 @@ class SimOptions:
             "block_size",
             "num_gpu_blocks",
             "max_num_seqs",
+            "max_num_batched_tokens",
             "default_max_tokens",
         ):
             if getattr(self, name) < 1:

@@ -1,5 +1,8 @@
 """The engine core: vLLM's V1 scheduler reduced to its effect on queues, KV blocks and timing.
 
+Each step spends a token budget (`max_num_batched_tokens`): running sequences first (a decode takes one token, an
+unfinished prompt its next chunk), then waiting ones in queue order, which need blocks only for their first chunk.
+
 Pure logic: no asyncio, no clock reads (times come in as arguments), so it is tested step by step.
 """
 
@@ -57,6 +60,8 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)  # full sha256_cbor digests, with KV events on
     held: list[int | None] = field(default_factory=list)  # pinned blocks: cached hash or None (private)
     settled_blocks: int = 0  # leading full blocks already published to the cache or left private
+    num_computed: int = 0  # tokens whose KV is computed, or scheduled in the current step
+    num_scheduled: int = 0  # tokens scheduled in the current step
     arrival_order: int = 0
     seed: int = 0
 
@@ -78,6 +83,15 @@ class EngineTotals:
     preemptions: int = 0
     completed: int = 0
     aborts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledStep:
+    """The work of one engine step, as vLLM's scheduler hands it to the model runner."""
+
+    num_seqs: int = 0  # sequences scheduled
+    num_tokens: int = 0  # tokens computed: prefill chunks and one per decoding sequence
+    prefill_tokens: int = 0  # of which prompt (or recomputed) tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,24 +162,38 @@ class EngineCore:
         self.totals.aborts += 1
         return True
 
-    def schedule(self) -> int:
-        """Give running sequences room for this step's token, admit waiting ones; return tokens to prefill."""
-        self._grow_running()
-        return self._admit_waiting()
+    def schedule(self) -> ScheduledStep:
+        """Spend the step's token budget as vLLM V1 does: running sequences first, in order, then waiting ones
+        while no sequence was preempted and seats last. A prompt longer than the budget left is prefilled in
+        chunks over several steps (chunked prefill)."""
+        budget = self._options.max_num_batched_tokens
+        budget, preempted = self._schedule_running(budget)
+        if not preempted:
+            self._admit_waiting(budget)
+        scheduled = [seq for seq in self.running if seq.num_scheduled]
+        num_tokens = sum(seq.num_scheduled for seq in scheduled)
+        decoding = sum(1 for seq in scheduled if seq.output_ids and seq.num_scheduled == 1)
+        return ScheduledStep(num_seqs=len(scheduled), num_tokens=num_tokens, prefill_tokens=num_tokens - decoding)
 
-    def step_seconds(self, prefill_tokens: int) -> float:
-        """Nominal duration of the step just scheduled: decode for the batch plus prefill of new sequences."""
+    def step_seconds(self, step: ScheduledStep) -> float:
+        """Nominal duration of a step: a fixed cost, a cost per scheduled sequence and per prefilled token."""
         options = self._options
         return (
             options.decode_step_seconds
-            + options.decode_seconds_per_seq * len(self.running)
-            + options.prefill_seconds_per_token * prefill_tokens
+            + options.decode_seconds_per_seq * step.num_seqs
+            + options.prefill_seconds_per_token * step.prefill_tokens
         )
 
     def complete_step(self, now: float) -> StepOutcome:
-        """Emit one token to every running sequence and retire those that are done."""
-        finished = []
+        """Finish the scheduled work: a sequence whose prompt is now computed gets a token; retire those done."""
+        advanced, finished = [], []
         for seq in self.running:
+            if not seq.num_scheduled:
+                continue
+            seq.num_scheduled = 0
+            if seq.num_computed < len(seq.tokens):
+                continue  # a prefill chunk: no token until the whole prompt is computed
+            advanced.append(seq)
             if seq.max_tokens > 0:
                 self._emit_token(seq, now)
             if len(seq.output_ids) >= seq.max_tokens:
@@ -173,9 +201,8 @@ class EngineCore:
                 self._finish(seq, FinishReason.LENGTH if seq.max_tokens else FinishReason.STOP)
                 self.totals.completed += 1
                 finished.append(seq)
-        advanced = self.running
         if finished:
-            self.running = [seq for seq in advanced if seq.state is SeqState.RUNNING]
+            self.running = [seq for seq in self.running if seq.state is SeqState.RUNNING]
         return StepOutcome(advanced=advanced, finished=finished)
 
     def reset_prefix_cache(self) -> None:
@@ -193,19 +220,28 @@ class EngineCore:
         seq.last_token_time = now
         self.totals.generation_tokens += 1
 
-    def _grow_running(self) -> None:
-        """Allocate the blocks each running sequence needs, preempting the least important when full."""
-        for seq in list(self.running):
-            if seq.state is not SeqState.RUNNING:
-                continue  # preempted earlier in this loop
-            needed = _ceil_div(len(seq.tokens), self._block_size) - len(seq.held)
+    def _schedule_running(self, budget: int) -> tuple[int, bool]:
+        """Give running sequences, in order, their next tokens and blocks, preempting the least important when the
+        cache is full; return the budget left and whether anything was preempted."""
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new = min(len(seq.tokens) - seq.num_computed, budget)
+            needed = _ceil_div(seq.num_computed + num_new, self._block_size) - len(seq.held)
             while not self.cache.can_allocate((), needed):
                 victim = self._preemption_victim()
+                if self.running.index(victim) < index:
+                    index -= 1
+                budget += victim.num_scheduled  # its work this step is given back
                 self._preempt(victim)
+                preempted = True
                 if victim is seq:
-                    break
-            if seq.state is SeqState.RUNNING:
-                self._allocate(seq)
+                    return budget, preempted
+            self._schedule(seq, num_new)
+            budget -= num_new
+            index += 1
+        return budget, preempted
 
     def _preemption_victim(self) -> Sequence:
         if self._options.priority_scheduling:
@@ -213,21 +249,23 @@ class EngineCore:
         return self.running[-1]
 
     def _preempt(self, seq: Sequence) -> None:
+        """Stop a running sequence and free its blocks; it waits to be recomputed from its cached prefix."""
         self.running.remove(seq)
         self._free(seq)
+        seq.num_scheduled = 0
         seq.state = SeqState.WAITING
         bisect.insort(self._waiting, seq, key=self._queue_key)
         self.totals.preemptions += 1
 
-    def _admit_waiting(self) -> int:
-        """Move waiting sequences into the batch in queue order while seats and blocks last."""
+    def _admit_waiting(self, budget: int) -> None:
+        """Move waiting sequences into the batch in queue order while budget, seats and blocks last; a sequence
+        needs blocks only for the first chunk of its prompt, as vLLM allocates them."""
         options = self._options
-        prefill_tokens = 0
         loras = set(self.running_loras())
         skipped: list[Sequence] = []
         admitted = 0
         for seq in self._waiting:
-            if len(self.running) >= options.max_num_seqs:
+            if budget <= 0 or len(self.running) >= options.max_num_seqs:
                 break
             if seq.lora and seq.lora not in loras and len(loras) >= options.max_loras:
                 skipped.append(seq)  # vLLM skips it and keeps scanning the queue
@@ -236,14 +274,18 @@ class EngineCore:
             # The last token is always recomputed to get logits, so a hit covers at most num_tokens - 1.
             hits = self.cache.longest_hit(seq.block_hashes, (num_tokens - 1) // self._block_size)
             hit_hashes = seq.block_hashes[:hits]
-            if not self.cache.can_allocate(hit_hashes, _ceil_div(num_tokens, self._block_size) - hits):
+            num_new = min(num_tokens - hits * self._block_size, budget)
+            if not self.cache.can_allocate(hit_hashes, _ceil_div(hits * self._block_size + num_new,
+                                                                 self._block_size) - hits):
                 break
             admitted += 1
             for block_hash in hit_hashes:
                 self.cache.pin(block_hash)
             seq.held = list(hit_hashes)
             seq.settled_blocks = hits
-            self._allocate(seq)
+            seq.num_computed = hits * self._block_size
+            self._schedule(seq, num_new)
+            budget -= num_new
             if self.cache.enable_caching:
                 self.totals.prefix_cache_queries += num_tokens
                 self.totals.prefix_cache_hits += hits * self._block_size
@@ -251,17 +293,21 @@ class EngineCore:
             self.running.append(seq)
             if seq.lora:
                 loras.add(seq.lora)
-            prefill_tokens += num_tokens - hits * self._block_size
         if admitted:
             self._waiting = skipped + self._waiting[admitted + len(skipped) :]
-        return prefill_tokens
+
+    def _schedule(self, seq: Sequence, num_new: int) -> None:
+        """Schedule `num_new` more tokens of a sequence: hold their blocks and count them computed."""
+        seq.num_scheduled = num_new
+        seq.num_computed += num_new
+        self._allocate(seq)
 
     def _allocate(self, seq: Sequence) -> None:
-        """Hold blocks for every token of the sequence and publish the full ones to the cache."""
-        for _ in range(_ceil_div(len(seq.tokens), self._block_size) - len(seq.held)):
+        """Hold blocks for the sequence's computed tokens and publish the full ones to the cache."""
+        for _ in range(_ceil_div(seq.num_computed, self._block_size) - len(seq.held)):
             self.cache.allocate()
             seq.held.append(None)
-        full_blocks = len(seq.tokens) // self._block_size
+        full_blocks = seq.num_computed // self._block_size
         self._hash_blocks(seq)
         stored: list[int] = []
         for index in range(seq.settled_blocks, full_blocks):
@@ -312,6 +358,7 @@ class EngineCore:
         self.cache.release(seq.held)
         seq.held = []
         seq.settled_blocks = 0
+        seq.num_computed = 0
 
     @staticmethod
     def _finish(seq: Sequence, reason: FinishReason) -> None:
