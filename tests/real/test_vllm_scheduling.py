@@ -8,6 +8,9 @@ import aiohttp
 import pytest
 
 from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.simulator import SimOptions
+from kvgate.simulator.scheduler import EngineCore, Sequence
+from kvgate.simulator.tokens import TokenSeq
 from tests.real.conftest import MODEL
 from tests.real.engine_view import paused, replayed_batches, scheduling_steps, send_in_order
 from tests.real.test_through_kvgate import chat
@@ -71,3 +74,31 @@ async def test_a_full_cache_evicts_as_much_as_it_stores_and_never_before_it_is_f
     assert first_removal >= peak - per_prompt  # nothing evicted while there was room
     assert min(count for count, evicting in history if evicting) >= peak - 2 * per_prompt  # the cache stays full
     assert held >= peak - per_prompt
+
+
+async def test_a_prompt_longer_than_the_token_budget_is_prefilled_over_steps_as_the_simulator_does(fresh_engines):
+    """vLLM computes at most `max_num_batched_tokens` tokens a step (2,048 on CPU) and prefills a longer prompt in
+    chunks, storing each chunk's full blocks in its own step. The simulator, given the same budget, must store the
+    same blocks in the same steps: a 4,000-token prompt is 16 blocks of 128, then 15."""
+    engine = fresh_engines[0]
+    prompt = [100] + [(13 * j) % 3800 + 150 for j in range(3999)]
+    async with aiohttp.ClientSession() as session:
+        async with session.post(engine.url + "/v1/completions",
+                                json={"model": MODEL, "prompt": prompt, "max_tokens": 2}) as response:
+            assert response.status == 200, await response.text()
+    batches = await replayed_batches(engine)
+    reset = max(i for i, batch in enumerate(batches) if any(isinstance(e, AllBlocksCleared) for e in batch.events))
+    # The reset's event goes out with the first step after it, in one batch.
+    engine_steps = [stored for batch in batches[reset:]
+                    if (stored := sum(len(e.block_hashes) for e in batch.events if isinstance(e, BlockStored)))]
+
+    core = EngineCore(SimOptions(max_num_batched_tokens=2048, block_size=128, num_gpu_blocks=48, max_model_len=4096))
+    seq = Sequence(tokens=TokenSeq.from_ids(prompt), max_tokens=2, arrival_time=0.0)
+    core.add(seq)
+    sim_steps = []
+    while not seq.output_ids:
+        stored_before = seq.settled_blocks
+        core.schedule()
+        sim_steps.append(seq.settled_blocks - stored_before)
+        core.complete_step(now=0.0)
+    assert engine_steps == sim_steps == [16, 15]
