@@ -13,8 +13,10 @@ import pytest
 from kvgate.loadtest.kit.envoy import EnvoyProcess, PickerRoute, envoy_config, running_envoy
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
+from kvgate.policies.token_rate import MIN_REQUESTS
 from tests.k8s_api import make_objective, make_pod, make_pool
 from tests.test_kubernetes_gateway import HOSTS, shared_free_port
+from tests.test_token_rate import engine_chars_per_token, varied_chats
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -29,13 +31,14 @@ def requests_per_replica(fleet: SimFleet) -> list[int]:
 
 @contextlib.asynccontextmanager
 async def behind_envoy(envoy_binary: Path, fleet: SimFleet, fail_open: bool = False,
-                       body_mode: str = "FULL_DUPLEX_STREAMED",
+                       body_mode: str = "FULL_DUPLEX_STREAMED", report_served: bool = False,
                        **settings) -> AsyncIterator[tuple[RunningGateway, EnvoyProcess, aiohttp.ClientSession]]:
     """kvgate (proxy off the path, picker on) with `fleet`, and Envoy asking it."""
     settings.setdefault("endpoints", fleet.urls)
     async with running_gateway(picker_listen="127.0.0.1:0", **settings) as gw:
         await wait_until(lambda: gw.gateway.ready()[0] and gw.gateway.models_known(), timeout=10)
-        route = PickerRoute((gw.server.picker.port,), fail_open=fail_open, body_mode=body_mode)
+        route = PickerRoute((gw.server.picker.port,), fail_open=fail_open, body_mode=body_mode,
+                            report_served=report_served)
         async with running_envoy(envoy_binary, envoy_config(fleet.urls, route)) as envoy, \
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as client:
             yield gw, envoy, client
@@ -110,6 +113,29 @@ async def test_sse_streams_chunk_by_chunk_and_lands_on_the_picked_replica(envoy_
     assert len(arrivals) >= 10 and arrivals[-1] - arrivals[0] > 0.1  # relayed as generated, not buffered
     # Envoy relays the chunks by itself: kvgate hears of the request, never of its response's body
     assert messages["request_headers"] == 1 and "response_body" not in messages, messages
+
+
+async def test_the_picker_learns_the_characters_per_token_of_the_prompts_answered_200(envoy_binary,
+                                                                                     tiny_model_dir) -> None:
+    """Envoy sends the picker each response's headers: a prompt answered 200 counts, as vLLM counts it."""
+    fleet = await SimFleet.start([0], SimOptions(tokenizer=str(tiny_model_dir), speed=50.0, max_model_len=2048))
+    try:
+        async with behind_envoy(envoy_binary, fleet, report_served=True, scrape_interval=0.05,
+                                scrape_timeout=0.04) as (gw, envoy, client):
+            bodies = varied_chats(MODEL, MIN_REQUESTS + 8)
+            scraped = lambda: gw.gateway.fleet.snapshot().endpoints[0].metrics  # noqa: E731
+            await wait_until(lambda: scraped().finished_requests == 0)  # counted from before the first request
+            too_long = chat("Tell me everything about every replica. " * 40, max_tokens=2000)
+            async with client.post(envoy.url + "/v1/chat/completions", json=too_long) as response:
+                assert response.status == 400  # the engine counts no tokens for it, nor may the picker
+            for body in bodies:
+                async with client.post(envoy.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+            truth = await engine_chars_per_token(client, fleet.urls[0], bodies)
+            await wait_until(lambda: scraped().finished_requests == len(bodies))
+            assert gw.gateway.fleet.chars_per_token(MODEL) == pytest.approx(truth) and truth < 3.5
+    finally:
+        await fleet.stop()
 
 
 async def test_a_shed_batch_request_gets_429_through_envoy(envoy_binary) -> None:

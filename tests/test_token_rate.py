@@ -81,6 +81,23 @@ def test_a_learned_rate_counts_the_prompt_and_the_index_blocks_in_the_engine_tok
     assert request.at_rate(None) is request
 
 
+def varied_chats(model: str, count: int) -> list[dict]:
+    """`count` chats whose system prompts and questions vary in length."""
+    return [{"model": model, "max_tokens": 2, "messages": [
+        {"role": "system", "content": "You answer questions about the fleet. " * (1 + i % 5)},
+        {"role": "user", "content": f"Question {i}: which replica holds prefix {i * 7919}?"}]} for i in range(count)]
+
+
+async def engine_chars_per_token(session: aiohttp.ClientSession, engine_url: str, bodies: list[dict]) -> float:
+    """The truth a gateway should learn: the mean characters of `bodies`' prompts, as kvgate counts them, over the
+    mean prompt tokens the engine counted for them (it must have answered exactly these)."""
+    async with session.get(engine_url + "/metrics") as response:
+        engine = parse_vllm_metrics(await response.text(), 0.0)
+    chars = [build_request_info("chat", body, "interactive", RoutingConfig()).prompt_chars for body in bodies]
+    assert engine.finished_requests == len(bodies)
+    return (sum(chars) / len(chars)) / (engine.finished_prompt_tokens / engine.finished_requests)
+
+
 async def test_a_gateway_learns_the_characters_per_token_its_engine_counts_and_routes_with_them(tiny_model_dir):
     # The simulated engine tokenizes with the tiny model (under 4 characters a token); the gateway has no tokenizer.
     model = "meta-llama/Llama-3.1-8B-Instruct"
@@ -88,20 +105,14 @@ async def test_a_gateway_learns_the_characters_per_token_its_engine_counts_and_r
     try:
         async with running_gateway(endpoints=fleet.urls[0], scrape_interval=0.05, scrape_timeout=0.04) as gw, \
                 aiohttp.ClientSession() as session:
-            bodies = [{"model": model, "max_tokens": 2, "messages": [
-                {"role": "system", "content": "You answer questions about the fleet. " * (1 + i % 5)},
-                {"role": "user", "content": f"Question {i}: which replica holds prefix {i * 7919}?"}]}
-                for i in range(MIN_REQUESTS + 8)]
+            bodies = varied_chats(model, MIN_REQUESTS + 8)
             scraped = lambda: gw.gateway.fleet.snapshot().endpoints[0].metrics  # noqa: E731
             await wait_until(lambda: scraped().finished_requests == 0)  # counted from before the first request
             for body in bodies:
                 async with session.post(gw.url + "/v1/chat/completions", json=body) as response:
                     assert response.status == 200, await response.text()
-            async with session.get(fleet.urls[0] + "/metrics") as response:
-                engine = parse_vllm_metrics(await response.text(), 0.0)
-            chars = [build_request_info("chat", body, "interactive", RoutingConfig()).prompt_chars for body in bodies]
-            truth = (sum(chars) / len(chars)) / (engine.finished_prompt_tokens / engine.finished_requests)
-            assert engine.finished_requests == len(bodies) and truth < 3.5  # far enough from the 4 assumed
+            truth = await engine_chars_per_token(session, fleet.urls[0], bodies)
+            assert truth < 3.5  # far enough from the 4 assumed
 
             await wait_until(lambda: scraped().finished_requests == len(bodies))
             assert gw.gateway.fleet.chars_per_token(model) == pytest.approx(truth)
@@ -110,6 +121,7 @@ async def test_a_gateway_learns_the_characters_per_token_its_engine_counts_and_r
             async with session.get(gw.url + "/metrics") as response:
                 assert "kvgate_replica_chars_per_token{" in await response.text()
             request = await RequestPipeline(gw.gateway).read("/v1/chat/completions", {}, orjson.dumps(bodies[0]), None)
-            assert prompt_tokens(request.info, RoutingConfig()) == round(chars[0] / truth)  # the engine's count
+            chars = build_request_info("chat", bodies[0], "interactive", RoutingConfig()).prompt_chars
+            assert prompt_tokens(request.info, RoutingConfig()) == round(chars / truth)  # the engine's count
     finally:
         await fleet.stop()

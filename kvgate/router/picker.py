@@ -7,7 +7,9 @@ and fleet as its own proxy (RequestPipeline.read and .admitted), and answers wit
 request holds its admission and its replica's in-flight count until Envoy ends the stream, which it does
 when the HTTP request ends, a client cancellation included. The body is read in FULL_DUPLEX_STREAMED mode
 (sent back unchanged once the headers are answered) or BUFFERED mode; the response is not read, only its
-headers, for the endpoint that served (`envoy.lb` metadata `x-gateway-destination-endpoint-served`).
+headers where Envoy sends them: the endpoint that served (`envoy.lb` metadata
+`x-gateway-destination-endpoint-served`), and the status, by which an answered prompt counts toward the
+replica's characters per token.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ class PickerStream:
         self._parsed: InferenceRequest | None = None
         self._replica: str | None = None  # the endpoint whose in-flight count this request holds
         self._status = "-"
+        self._body_seen = False  # the data plane sends the picker response bodies
+        self._answered = False  # the response's body ended (its last chunk or its trailers came; an abort sends none)
 
     async def answer(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         """The responses to one message from Envoy, in order (none while a duplex body is still arriving)."""
@@ -93,15 +97,24 @@ class PickerStream:
             self._response_headers(message)
             return [ext_proc.ProcessingResponse(response_headers=ext_proc.HeadersResponse())]
         if kind == "response_body":
+            self._body_seen = True
+            self._answered |= message.response_body.end_of_stream
             return [ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse())]
+        self._answered = True
         return [ext_proc.ProcessingResponse(response_trailers=ext_proc.TrailersResponse())]
 
     async def close(self) -> None:
-        """The HTTP request is over: give back its admission and its replica's in-flight count."""
+        """The HTTP request is over: give back its admission and its replica's in-flight count, and count the prompt's
+        characters for the replica's characters per token when its answer came whole."""
         replica = self._replica or NO_REPLICA  # the release below forgets it
         await self._held.aclose()
         if self._request is None:
             return
+        # A 200 whose body ended; where the data plane sends no response bodies, a 200 (Envoy ends the stream
+        # alike for a finished answer and a client's abort, which vLLM leaves out: see docs/routing.md).
+        if self._status == "200" and (self._answered or not self._body_seen) and replica != NO_REPLICA \
+                and self._parsed is not None:
+            self._gateway.fleet.answered(replica, self._parsed.info.prompt_chars)
         model = self._parsed.info.model if self._parsed else "-"
         path = self._request.headers.get(":path", "").partition("?")[0]
         # Only models some replica serves, and only routed paths, become label values.
