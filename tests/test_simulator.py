@@ -568,17 +568,18 @@ def test_running_sequences_take_the_budget_before_waiting_ones():
     assert outcome.advanced == [running] and len(running.output_ids) == 2
 
 
-def test_a_waiting_prompt_needs_blocks_only_for_its_first_chunk():
+def test_a_waiting_prompt_waits_until_blocks_for_all_of_it_are_free():
     core = EngineCore(SimOptions(max_num_batched_tokens=64, block_size=16, num_gpu_blocks=8, max_model_len=128))
-    holder = _sequence("a", 60, max_tokens=50)
+    holder = _sequence("a", 20, max_tokens=50)
     core.add(holder)
     core.schedule()
-    core.complete_step(now=0.0)  # the holder keeps 4 blocks, 4 are free
-    seq = _sequence("b", 120, max_tokens=1)
-    core.add(seq)
+    core.complete_step(now=0.0)  # the holder keeps 2 blocks, 6 are free
+    too_long = _sequence("b", 120, max_tokens=1)
+    core.add(too_long)
     core.schedule()
-    # The whole prompt needs 8 blocks; its first chunk (63 tokens beside the holder's decode) needs the 4 free ones.
-    assert core.running == [holder, seq] and seq.num_computed == 63 and core.cache.pinned_blocks == 8
+    # Its first chunk (63 tokens beside the holder's decode) would take 4 blocks; the whole prompt needs 8. vLLM
+    # admits it only once all 8 are free (--scheduler-reserve-full-isl, its default).
+    assert core.running == [holder] and core.num_waiting == 1 and core.cache.pinned_blocks == 2
 
 
 def test_cli_flags_cover_every_option():

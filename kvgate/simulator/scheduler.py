@@ -1,7 +1,7 @@
 """The engine core: vLLM's V1 scheduler reduced to its effect on queues, KV blocks and timing.
 
 Each step spends a token budget (`max_num_batched_tokens`): running sequences first (a decode takes one token, an
-unfinished prompt its next chunk), then waiting ones in queue order, which need blocks only for their first chunk.
+unfinished prompt its next chunk), then waiting ones in queue order, each once blocks for its whole prompt are free.
 
 Pure logic: no asyncio, no clock reads (times come in as arguments), so it is tested step by step.
 """
@@ -258,8 +258,9 @@ class EngineCore:
         self.totals.preemptions += 1
 
     def _admit_waiting(self, budget: int) -> None:
-        """Move waiting sequences into the batch in queue order while budget, seats and blocks last; a sequence
-        needs blocks only for the first chunk of its prompt, as vLLM allocates them."""
+        """Move waiting sequences into the batch in queue order while budget, seats and blocks last. A sequence is
+        admitted once blocks for all of it are free (vLLM's `--scheduler-reserve-full-isl`, on by default) and
+        holds those of its first chunk."""
         options = self._options
         loras = set(self.running_loras())
         skipped: list[Sequence] = []
@@ -274,10 +275,9 @@ class EngineCore:
             # The last token is always recomputed to get logits, so a hit covers at most num_tokens - 1.
             hits = self.cache.longest_hit(seq.block_hashes, (num_tokens - 1) // self._block_size)
             hit_hashes = seq.block_hashes[:hits]
-            num_new = min(num_tokens - hits * self._block_size, budget)
-            if not self.cache.can_allocate(hit_hashes, _ceil_div(hits * self._block_size + num_new,
-                                                                 self._block_size) - hits):
+            if not self.cache.can_allocate(hit_hashes, _ceil_div(num_tokens, self._block_size) - hits):
                 break
+            num_new = min(num_tokens - hits * self._block_size, budget)
             admitted += 1
             for block_hash in hit_hashes:
                 self.cache.pin(block_hash)

@@ -102,3 +102,36 @@ async def test_a_prompt_longer_than_the_token_budget_is_prefilled_over_steps_as_
         sim_steps.append(seq.settled_blocks - stored_before)
         core.complete_step(now=0.0)
     assert engine_steps == sim_steps == [16, 15]
+
+
+async def test_a_prompt_is_admitted_once_blocks_for_all_of_it_are_free_as_the_simulator_does(fresh_engines):
+    """vLLM 0.32 prefills a long prompt a chunk at a time, but admits it only once blocks for all of it are free
+    (`--scheduler-reserve-full-isl`, its default), as the simulator does. A 4,000-token prompt (32 blocks of 128)
+    queued behind a 2,048-token one answering 300 tokens (17 to 19 of the 48 blocks) waits for that one to finish,
+    though its first chunk (16 blocks) would fit at once. kvgate's KV room counts whole prompts for this reason."""
+    engine = fresh_engines[0]
+    lengths = {"holder": (2048, 300), "long": (4000, 4)}
+    prompts = {name: [100 + k] + [(37 * k + 11 * j) % 3800 + 150 for j in range(prompt - 1)]
+               for k, (name, (prompt, _)) in enumerate(lengths.items())}
+    requests = [({"model": MODEL, "prompt": prompts[name], "max_tokens": answer, "stream": True, "ignore_eos": True},
+                 {}) for name, (_, answer) in lengths.items()]
+    async with aiohttp.ClientSession() as session:
+        async with paused(session, engine):
+            tasks = await send_in_order(session, engine.url + "/v1/completions", requests)
+        statuses = await asyncio.gather(*tasks)
+        scheduled = await scheduling_steps(engine, {tuple(ids[:128]): name for name, ids in prompts.items()})
+    assert set(statuses) == {200}, statuses
+    # The holder stores a block at its 2,176th and 2,304th tokens while it decodes: two batches between them.
+    assert scheduled["long"] > scheduled["holder"] + 1, scheduled
+
+    core = EngineCore(SimOptions(max_num_batched_tokens=2048, block_size=128, num_gpu_blocks=48, max_model_len=4096))
+    holder, long = (Sequence(tokens=TokenSeq.from_ids(prompts[name]), max_tokens=lengths[name][1], arrival_time=0.0)
+                    for name in lengths)
+    core.add(holder)
+    core.add(long)
+    steps = 0
+    while long.num_computed == 0:
+        core.schedule()
+        core.complete_step(now=float(steps))
+        steps += 1
+    assert holder.finished and steps == 301  # the holder's prefill and 299 more tokens, then the long prompt
