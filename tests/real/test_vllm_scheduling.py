@@ -1,4 +1,4 @@
-"""What kvgate's routing cost assumes of vLLM's scheduler, checked on a real engine."""
+"""What kvgate's routing cost and its simulator assume of vLLM's scheduler, checked on a real engine."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from kvgate.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from kvgate.simulator import SimOptions
 from kvgate.simulator.scheduler import EngineCore, Sequence
 from kvgate.simulator.tokens import TokenSeq
@@ -16,6 +17,28 @@ from tests.real.engine_view import paused, replayed_batches, scheduling_steps, s
 from tests.real.test_through_kvgate import chat
 
 pytestmark = pytest.mark.timeout(300)
+
+
+def distinct_prompts(lengths: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    """Per name, a prompt of token ids of its length (prompt, answer), each with its own first block."""
+    return {name: [100 + k] + [(37 * k + 11 * j) % 3800 + 150 for j in range(prompt - 1)]
+            for k, (name, (prompt, _)) in enumerate(lengths.items())}
+
+
+async def queued_then_scheduled(engine: VllmEngine, lengths: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """Queue streamed completions of these lengths in the paused engine, in order, and resume it; per name, the KV
+    event batch its first block was stored in, once every answer is read (each must be 200)."""
+    prompts = distinct_prompts(lengths)
+    requests = [({"model": MODEL, "prompt": prompts[name], "max_tokens": answer, "stream": True, "ignore_eos": True},
+                 {}) for name, (_, answer) in lengths.items()]
+    async with aiohttp.ClientSession() as session:
+        async with paused(session, engine):
+            tasks = await send_in_order(session, engine.url + "/v1/completions", requests)
+        statuses = await asyncio.gather(*tasks)
+        scheduled = await scheduling_steps(engine, {tuple(ids[:128]): name for name, ids in prompts.items()})
+    assert set(statuses) == {200}, statuses
+    assert scheduled.keys() == lengths.keys(), scheduled
+    return scheduled
 
 
 async def test_a_request_that_fits_waits_behind_one_whose_kv_blocks_are_not_free(fresh_engines):
@@ -27,19 +50,8 @@ async def test_a_request_that_fits_waits_behind_one_whose_kv_blocks_are_not_free
     prompt needs 16 blocks, the fourth 2. All four are queued in the paused engine, in that order, and the order
     they were scheduled in is read from its KV events.
     """
-    engine = fresh_engines[0]
     lengths = {"holder0": (2048, 300), "holder1": (2048, 300), "blocked": (2000, 4), "small": (200, 4)}
-    prompts = {name: [100 + k] + [(37 * k + 11 * j) % 3800 + 150 for j in range(prompt - 1)]
-               for k, (name, (prompt, _)) in enumerate(lengths.items())}
-    requests = [({"model": MODEL, "prompt": prompts[name], "max_tokens": answer, "stream": True, "ignore_eos": True},
-                 {}) for name, (_, answer) in lengths.items()]
-    async with aiohttp.ClientSession() as session:
-        async with paused(session, engine):
-            tasks = await send_in_order(session, engine.url + "/v1/completions", requests)
-        statuses = await asyncio.gather(*tasks)
-        scheduled = await scheduling_steps(engine, {tuple(ids[:128]): name for name, ids in prompts.items()})
-    assert set(statuses) == {200}, statuses
-    assert scheduled.keys() == lengths.keys(), scheduled
+    scheduled = await queued_then_scheduled(fresh_engines[0], lengths)
     assert scheduled["blocked"] > scheduled["holder1"] + 1, scheduled  # it waited while the holders decoded
     assert scheduled["small"] >= scheduled["blocked"], scheduled  # and the small one waited with it
 
@@ -109,22 +121,13 @@ async def test_a_prompt_is_admitted_once_blocks_for_all_of_it_are_free_as_the_si
     (`--scheduler-reserve-full-isl`, its default), as the simulator does. A 4,000-token prompt (32 blocks of 128)
     queued behind a 2,048-token one answering 300 tokens (17 to 19 of the 48 blocks) waits for that one to finish,
     though its first chunk (16 blocks) would fit at once. kvgate's KV room counts whole prompts for this reason."""
-    engine = fresh_engines[0]
     lengths = {"holder": (2048, 300), "long": (4000, 4)}
-    prompts = {name: [100 + k] + [(37 * k + 11 * j) % 3800 + 150 for j in range(prompt - 1)]
-               for k, (name, (prompt, _)) in enumerate(lengths.items())}
-    requests = [({"model": MODEL, "prompt": prompts[name], "max_tokens": answer, "stream": True, "ignore_eos": True},
-                 {}) for name, (_, answer) in lengths.items()]
-    async with aiohttp.ClientSession() as session:
-        async with paused(session, engine):
-            tasks = await send_in_order(session, engine.url + "/v1/completions", requests)
-        statuses = await asyncio.gather(*tasks)
-        scheduled = await scheduling_steps(engine, {tuple(ids[:128]): name for name, ids in prompts.items()})
-    assert set(statuses) == {200}, statuses
+    scheduled = await queued_then_scheduled(fresh_engines[0], lengths)
     # The holder stores a block at its 2,176th and 2,304th tokens while it decodes: two batches between them.
     assert scheduled["long"] > scheduled["holder"] + 1, scheduled
 
     core = EngineCore(SimOptions(max_num_batched_tokens=2048, block_size=128, num_gpu_blocks=48, max_model_len=4096))
+    prompts = distinct_prompts(lengths)
     holder, long = (Sequence(tokens=TokenSeq.from_ids(prompts[name]), max_tokens=lengths[name][1], arrival_time=0.0)
                     for name in lengths)
     core.add(holder)
