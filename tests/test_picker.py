@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
+import aiohttp
 import grpc
 import orjson
 import pytest
@@ -15,12 +16,14 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgate.policies.token_rate import MIN_REQUESTS
 from kvgate.router.cli import build_parser, cli_settings
 from kvgate.router.config import ConfigError, build_config, from_sources
 from kvgate.router.picker import DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SERVED, SUBSET, SUBSET_NAMESPACE
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
 from tests.test_auth import ALICE_SECRET, WRONG_SECRET, standard_keys
+from tests.test_token_rate import engine_chars_per_token, varied_chats
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DUPLEX = ext_proc.ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED)
@@ -216,6 +219,40 @@ async def test_a_shed_request_gets_429_and_a_cancelled_stream_gives_its_seat_bac
         [routed, _] = await again.send(*body_messages(chat("now")), answers=2)
         assert destination(routed)[0]
         await again.end()
+
+
+def response_body_message(end_of_stream: bool) -> ext_proc.ProcessingRequest:
+    chunk = ext_proc.HttpBody(body=b"data: {}\n\n", end_of_stream=end_of_stream)
+    return ext_proc.ProcessingRequest(response_body=chunk)
+
+
+async def test_with_response_bodies_sent_only_prompts_whose_answer_ended_count_toward_the_rate(tiny_model_dir) -> None:
+    """A data plane that streams response bodies to the picker shows which answers ended: a 200 whose body was cut
+    off (a client's abort, which vLLM does not count) must not count, however long its prompt."""
+    sim = SimOptions(tokenizer=str(tiny_model_dir), speed=50.0, max_model_len=2048)
+    async with picker(replicas=1, sim=sim, scrape_interval=0.05, scrape_timeout=0.04) as (gw, fleet, channel), \
+            aiohttp.ClientSession() as session:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        scraped = lambda: gw.gateway.fleet.snapshot().endpoints[0].metrics  # noqa: E731
+        await wait_until(lambda: scraped().finished_requests == 0)  # counted from before the first request
+        bodies = varied_chats(MODEL, MIN_REQUESTS + 8)
+        for i, body in enumerate(bodies):
+            if i % 8 == 0:  # Envoy's exchange for a long prompt whose client left mid-answer
+                left = Exchange(stub)
+                await left.send(headers_message({}))
+                await left.send(*body_messages(chat("Tell me everything about every replica. " * 40)), answers=2)
+                await left.send(served_message(addresses(fleet)[0]), response_body_message(False), answers=2)
+                await left.end()
+            exchange = Exchange(stub)  # the data plane's exchange, while it sends the request to the engine itself
+            await exchange.send(headers_message({}))
+            await exchange.send(*body_messages(orjson.dumps(body), chunk=10_000), answers=2)
+            async with session.post(fleet.urls[0] + "/v1/chat/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+            await exchange.send(served_message(addresses(fleet)[0]), response_body_message(True), answers=2)
+            await exchange.end()
+        truth = await engine_chars_per_token(session, fleet.urls[0], bodies)
+        await wait_until(lambda: scraped().finished_requests == len(bodies))
+        assert gw.gateway.fleet.chars_per_token(MODEL) == pytest.approx(truth) and truth < 3.5
 
 
 async def test_with_api_keys_the_picker_demands_one_limits_it_and_keeps_it_from_the_replica(tmp_path) -> None:
