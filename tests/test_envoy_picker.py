@@ -16,7 +16,8 @@ from tests.harness import RunningGateway, running_gateway, wait_until
 from kvgate.policies.token_rate import MIN_REQUESTS
 from tests.k8s_api import make_objective, make_pod, make_pool
 from tests.test_kubernetes_gateway import HOSTS, shared_free_port
-from tests.test_token_rate import engine_chars_per_token, varied_chats
+from tests.test_token_rate import (learned_as_the_engine_counted, scraped_metrics, tokenizing_sim,
+                                   varied_chats)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -118,22 +119,19 @@ async def test_sse_streams_chunk_by_chunk_and_lands_on_the_picked_replica(envoy_
 async def test_the_picker_learns_the_characters_per_token_of_the_prompts_answered_200(envoy_binary,
                                                                                      tiny_model_dir) -> None:
     """Envoy sends the picker each response's headers: a prompt answered 200 counts, as vLLM counts it."""
-    fleet = await SimFleet.start([0], SimOptions(tokenizer=str(tiny_model_dir), speed=50.0, max_model_len=2048))
+    fleet = await SimFleet.start([0], tokenizing_sim(tiny_model_dir))
     try:
         async with behind_envoy(envoy_binary, fleet, report_served=True, scrape_interval=0.05,
                                 scrape_timeout=0.04) as (gw, envoy, client):
             bodies = varied_chats(MODEL, MIN_REQUESTS + 8)
-            scraped = lambda: gw.gateway.fleet.snapshot().endpoints[0].metrics  # noqa: E731
-            await wait_until(lambda: scraped().finished_requests == 0)  # counted from before the first request
+            await wait_until(lambda: scraped_metrics(gw.gateway).finished_requests == 0)  # counted from the start
             too_long = chat("Tell me everything about every replica. " * 40, max_tokens=2000)
             async with client.post(envoy.url + "/v1/chat/completions", json=too_long) as response:
                 assert response.status == 400  # the engine counts no tokens for it, nor may the picker
             for body in bodies:
                 async with client.post(envoy.url + "/v1/chat/completions", json=body) as response:
                     assert response.status == 200, await response.text()
-            truth = await engine_chars_per_token(client, fleet.urls[0], bodies)
-            await wait_until(lambda: scraped().finished_requests == len(bodies))
-            assert gw.gateway.fleet.chars_per_token(MODEL) == pytest.approx(truth) and truth < 3.5
+            await learned_as_the_engine_counted(gw.gateway, client, fleet.urls[0], MODEL, bodies)
     finally:
         await fleet.stop()
 

@@ -23,7 +23,8 @@ from kvgate.router.picker import DESTINATION, EXT_PROC_SERVICE, LB_NAMESPACE, SE
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import RunningGateway, running_gateway, wait_until
 from tests.test_auth import ALICE_SECRET, WRONG_SECRET, standard_keys
-from tests.test_token_rate import engine_chars_per_token, varied_chats
+from tests.test_token_rate import (learned_as_the_engine_counted, scraped_metrics, tokenizing_sim,
+                                   varied_chats)
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DUPLEX = ext_proc.ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED)
@@ -229,12 +230,10 @@ def response_body_message(end_of_stream: bool) -> ext_proc.ProcessingRequest:
 async def test_with_response_bodies_sent_only_prompts_whose_answer_ended_count_toward_the_rate(tiny_model_dir) -> None:
     """A data plane that streams response bodies to the picker shows which answers ended: a 200 whose body was cut
     off (a client's abort, which vLLM does not count) must not count, however long its prompt."""
-    sim = SimOptions(tokenizer=str(tiny_model_dir), speed=50.0, max_model_len=2048)
-    async with picker(replicas=1, sim=sim, scrape_interval=0.05, scrape_timeout=0.04) as (gw, fleet, channel), \
-            aiohttp.ClientSession() as session:
+    async with picker(replicas=1, sim=tokenizing_sim(tiny_model_dir), scrape_interval=0.05,
+                      scrape_timeout=0.04) as (gw, fleet, channel), aiohttp.ClientSession() as session:
         stub = ext_proc_grpc.ExternalProcessorStub(channel)
-        scraped = lambda: gw.gateway.fleet.snapshot().endpoints[0].metrics  # noqa: E731
-        await wait_until(lambda: scraped().finished_requests == 0)  # counted from before the first request
+        await wait_until(lambda: scraped_metrics(gw.gateway).finished_requests == 0)  # counted from the start
         bodies = varied_chats(MODEL, MIN_REQUESTS + 8)
         for i, body in enumerate(bodies):
             if i % 8 == 0:  # Envoy's exchange for a long prompt whose client left mid-answer
@@ -250,9 +249,7 @@ async def test_with_response_bodies_sent_only_prompts_whose_answer_ended_count_t
                 assert response.status == 200, await response.text()
             await exchange.send(served_message(addresses(fleet)[0]), response_body_message(True), answers=2)
             await exchange.end()
-        truth = await engine_chars_per_token(session, fleet.urls[0], bodies)
-        await wait_until(lambda: scraped().finished_requests == len(bodies))
-        assert gw.gateway.fleet.chars_per_token(MODEL) == pytest.approx(truth) and truth < 3.5
+        await learned_as_the_engine_counted(gw.gateway, session, fleet.urls[0], MODEL, bodies)
 
 
 async def test_with_api_keys_the_picker_demands_one_limits_it_and_keeps_it_from_the_replica(tmp_path) -> None:

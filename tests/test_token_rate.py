@@ -6,12 +6,14 @@ import aiohttp
 import orjson
 import pytest
 
+from kvgate.endpoints.types import ReplicaMetrics
 from kvgate.endpoints.vllm_metrics import parse_vllm_metrics
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.cost import prompt_tokens, tokens_per_block
 from kvgate.policies.token_rate import HORIZON, MIN_REQUESTS, PromptTokenRates, fleet_rate
 from kvgate.policies.prefix_keys import build_request_info
 from kvgate.policies.types import RequestInfo
+from kvgate.router.gateway import Gateway
 from kvgate.router.pipeline import RequestPipeline
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway, wait_until
@@ -98,24 +100,39 @@ async def engine_chars_per_token(session: aiohttp.ClientSession, engine_url: str
     return (sum(chars) / len(chars)) / (engine.finished_prompt_tokens / engine.finished_requests)
 
 
+def tokenizing_sim(model_dir: object) -> SimOptions:
+    """A simulated engine that tokenizes with the tiny model (under 4 characters a token), fast."""
+    return SimOptions(tokenizer=str(model_dir), speed=50.0, max_model_len=2048)
+
+
+def scraped_metrics(gateway: Gateway) -> ReplicaMetrics:
+    """What the gateway last scraped from its one replica."""
+    return gateway.fleet.snapshot().endpoints[0].metrics
+
+
+async def learned_as_the_engine_counted(gateway: Gateway, session: aiohttp.ClientSession, engine_url: str,
+                                        model: str, bodies: list[dict]) -> float:
+    """Once the gateway has scraped the engine's count of `bodies`, its rate for `model` must be the engine's own,
+    well under the 4 assumed; returns it."""
+    truth = await engine_chars_per_token(session, engine_url, bodies)
+    await wait_until(lambda: scraped_metrics(gateway).finished_requests == len(bodies))
+    assert gateway.fleet.chars_per_token(model) == pytest.approx(truth) and truth < 3.5
+    return truth
+
+
 async def test_a_gateway_learns_the_characters_per_token_its_engine_counts_and_routes_with_them(tiny_model_dir):
     # The simulated engine tokenizes with the tiny model (under 4 characters a token); the gateway has no tokenizer.
     model = "meta-llama/Llama-3.1-8B-Instruct"
-    fleet = await SimFleet.start([0], SimOptions(tokenizer=str(tiny_model_dir), speed=50.0, max_model_len=2048))
+    fleet = await SimFleet.start([0], tokenizing_sim(tiny_model_dir))
     try:
         async with running_gateway(endpoints=fleet.urls[0], scrape_interval=0.05, scrape_timeout=0.04) as gw, \
                 aiohttp.ClientSession() as session:
             bodies = varied_chats(model, MIN_REQUESTS + 8)
-            scraped = lambda: gw.gateway.fleet.snapshot().endpoints[0].metrics  # noqa: E731
-            await wait_until(lambda: scraped().finished_requests == 0)  # counted from before the first request
+            await wait_until(lambda: scraped_metrics(gw.gateway).finished_requests == 0)  # counted from the start
             for body in bodies:
                 async with session.post(gw.url + "/v1/chat/completions", json=body) as response:
                     assert response.status == 200, await response.text()
-            truth = await engine_chars_per_token(session, fleet.urls[0], bodies)
-            assert truth < 3.5  # far enough from the 4 assumed
-
-            await wait_until(lambda: scraped().finished_requests == len(bodies))
-            assert gw.gateway.fleet.chars_per_token(model) == pytest.approx(truth)
+            truth = await learned_as_the_engine_counted(gw.gateway, session, fleet.urls[0], model, bodies)
             async with session.get(gw.url + "/debug/fleet") as response:
                 assert (await response.json())["endpoints"][0]["chars_per_token"] == pytest.approx(truth, abs=1e-3)
             async with session.get(gw.url + "/metrics") as response:
