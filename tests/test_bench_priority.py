@@ -86,7 +86,7 @@ def test_a_full_run_lasts_until_its_p99_rests_on_enough_interactive_requests() -
     kv_bound = plan_from(argparse.Namespace(**flags, fleet="kv-bound")).sized_for(5.2)
     # 20 % of 5.2 req/s (1.04) for 200 requests; 30 % of twice 5.2 req/s (3.12) for 200 requests
     assert (kv_bound.unloaded_s, kv_bound.overload_s) == (193.0, 65.0)
-    assert kv_bound.drain_cap_s == 3.0 * 65.0 + 10
+    assert (kv_bound.drain_cap_s, kv_bound.stall_s) == (5.0 * 65.0 + 30, 15.0)
     seats32 = plan_from(argparse.Namespace(**flags, fleet="seats32")).sized_for(43.1)
     assert (seats32.unloaded_s, seats32.overload_s) == (30.0, 20.0)  # 259 and 517 interactive requests already
     quick = plan_from(argparse.Namespace(**{**flags, "quick": True}, fleet="kv-bound")).sized_for(5.2)
@@ -149,6 +149,14 @@ async def _truncated_stream(request: web.Request) -> web.StreamResponse:
     return response  # no [DONE]
 
 
+async def _late_answer(request: web.Request, delay: float) -> web.StreamResponse:
+    await asyncio.sleep(delay)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n')
+    return response
+
+
 async def _silent(request: web.Request) -> web.StreamResponse:
     await asyncio.sleep(30)
     return web.Response()
@@ -156,12 +164,15 @@ async def _silent(request: web.Request) -> web.StreamResponse:
 
 @pytest.fixture
 async def odd_server() -> AsyncIterator[str]:
-    """A server that answers by the request's class: 429 for batch, a stream cut short or silence for interactive."""
+    """A server that answers by the request's class: 429 for batch; for interactive, by the body: silence, a whole
+    answer after `delay` seconds, or a stream cut short."""
     async def route(request: web.Request) -> web.StreamResponse:
         if request.headers["x-priority"] == BATCH:
             return await _shed(request)
         body = await request.json()
-        return await (_silent(request) if body["silent"] else _truncated_stream(request))
+        if body["silent"]:
+            return await _silent(request)
+        return await (_late_answer(request, body["delay"]) if "delay" in body else _truncated_stream(request))
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", route)
@@ -176,12 +187,26 @@ async def odd_server() -> AsyncIterator[str]:
 async def test_client_tells_shed_broken_and_unanswered_requests_apart(odd_server: str) -> None:
     arrivals = [Arrival(0, 0.0, BATCH), Arrival(1, 0.01, INTERACTIVE), Arrival(2, 0.02, INTERACTIVE)]
     samples = await run_open_loop(odd_server, arrivals, lambda arrival: orjson.dumps({"silent": arrival.index == 2}),
-                                  drain_cap=0.5)
+                                  drain_cap=30.0, stall_s=0.5)
     shed, broken, unanswered = samples
     assert (shed.outcome, shed.retry_after) == (Outcome.SHED, "2")
     assert broken.outcome is Outcome.ERROR and broken.ttft is not None
     assert "without [DONE]" in broken.detail
     assert unanswered.outcome is Outcome.LOST
+
+
+async def test_the_drain_waits_while_answers_keep_ending_and_stops_when_they_stall(odd_server: str) -> None:
+    """Answers ending 0.4 s apart outlast a 0.6 s stall window together, and are all counted; the silent request
+    (answered after 30 s) is lost once nothing else ends for 0.6 s, long before the 30 s cap."""
+    arrivals = [Arrival(index, 0.0, INTERACTIVE) for index in range(6)]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    samples = await run_open_loop(
+        odd_server, arrivals,
+        lambda arrival: orjson.dumps({"silent": arrival.index == 5, "delay": 0.4 * (arrival.index + 1)}),
+        drain_cap=30.0, stall_s=0.6)
+    assert [sample.outcome for sample in samples] == [Outcome.OK] * 5 + [Outcome.LOST]
+    assert loop.time() - started < 10.0
 
 
 def test_rows_run_as_deployed_unless_they_measure_a_difference() -> None:

@@ -17,7 +17,7 @@ from kvgate.loadtest.kit.stream import post_chat
 INTERACTIVE = "interactive"
 BATCH = "batch"
 _PROMPT_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet")
-# No per-request timeout: the run's drain cap bounds every request, and one still open then counts as lost.
+# No per-request timeout: the run's drain bounds every request, and one still open when it ends counts as lost.
 _SESSION_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10)
 
 
@@ -72,7 +72,7 @@ class Outcome(enum.StrEnum):
     OK = "ok"  # 200 and a complete answer
     SHED = "shed"  # 429 from the admission queue
     ERROR = "error"  # any other status, or a stream that broke
-    LOST = "lost"  # no response at all: the connection failed or nothing came back before the drain cap
+    LOST = "lost"  # no response at all: the connection failed or nothing came back before the drain ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +102,11 @@ async def send(session: aiohttp.ClientSession, url: str, arrival: Arrival, body:
                   reply.retry_after, reply.error or "", arrival.lead_in)
 
 
-async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float) -> list[Sample]:
-    """Send every arrival on schedule, then wait at most `drain_cap` seconds for the ones still open; those still
-    open then (unanswered or mid-stream) are cancelled and count as lost. The samples keep the arrivals' order."""
+async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor, drain_cap: float,
+                        stall_s: float) -> list[Sample]:
+    """Send every arrival on schedule, then wait for the ones still open while answers keep ending (see `_drain`);
+    those still open then (unanswered or mid-stream) are cancelled and count as lost. The samples keep the
+    arrivals' order."""
     if not arrivals:
         return []
     loop = asyncio.get_running_loop()
@@ -114,14 +116,27 @@ async def run_open_loop(url: str, arrivals: Sequence[Arrival], body_for: BodyFor
         for arrival in arrivals:
             await asyncio.sleep(max(0.0, run_start + arrival.at - loop.time()))
             tasks.append(asyncio.create_task(send(session, url, arrival, body_for(arrival), run_start)))
-        drain_end = run_start + arrivals[-1].at + drain_cap
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, drain_end - loop.time()))
+        pending = await _drain(tasks, run_start + arrivals[-1].at + drain_cap, stall_s)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    unanswered = f"no response within the {drain_cap:.0f} s drain cap"
+    unanswered = f"no response when the drain ended (nothing else ended for {stall_s:.0f} s, or {drain_cap:.0f} s " \
+                 "passed after the last send)"
     return [Sample(arrival.priority, Outcome.LOST, 0.0, detail=unanswered, lead_in=arrival.lead_in)
             if task in pending else task.result() for arrival, task in zip(arrivals, tasks, strict=True)]
+
+
+async def _drain(tasks: Sequence[asyncio.Task[Sample]], deadline: float, stall_s: float) -> set[asyncio.Task[Sample]]:
+    """Wait for `tasks` while the fleet makes progress: until all are done, until `stall_s` seconds pass with none
+    of them ending (a hang, not a backlog), or until the loop time `deadline`; the tasks still open then."""
+    loop = asyncio.get_running_loop()
+    pending = {task for task in tasks if not task.done()}
+    while pending and loop.time() < deadline:
+        done, pending = await asyncio.wait(pending, timeout=min(stall_s, deadline - loop.time()),
+                                           return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            break
+    return pending
 
 
 async def measure_throughput(urls: Sequence[str], concurrency: int, warmup: float, duration: float,

@@ -137,12 +137,18 @@ class Plan:
 
     @property
     def drain_cap_s(self) -> float:
-        """How long a run waits for open requests after its last send: the backlog's drain time, with margin.
+        """The longest a run waits for open requests after its last send, however steadily they end.
 
         The backlog is what the flood sent beyond the probed capacity; real engines drain it at 0.6-0.75x the
-        probe's rate (the probe's closed loop keeps their seats fuller) and a probe can read high, so the margin
-        is three times the backlog's time at the probed rate."""
-        return 3.0 * self.overload_s * (self.overload_factor - 1) + 10
+        probe's rate (the probe's closed loop keeps their seats fuller) and a probe can read high, so the cap is
+        five times the backlog's time at the probed rate. A drain that stalls ends sooner (`stall_s`)."""
+        return 5.0 * self.overload_s * (self.overload_factor - 1) + 30
+
+    @property
+    def stall_s(self) -> float:
+        """How long a drain waits with no request ending before it counts the open ones as lost: three times the
+        longest request's time on a full fleet, and at least 15 s."""
+        return max(15.0, round(3 * self.capacity_warmup_s, 1))
 
     def _full_batch_step_s(self) -> float:
         """Seconds of one decode step with every seat busy, from the simulator's timing model."""
@@ -166,7 +172,7 @@ class Plan:
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON."""
-        return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s,
+        return {**dataclasses.asdict(self), "drain_cap_s": self.drain_cap_s, "stall_s": self.stall_s,
                 "capacity_warmup_s": round(self.capacity_warmup_s, 2)}
 
 
@@ -240,7 +246,7 @@ async def _run(plan: Plan, gateway_url: str, urls: list[str], key: str, title: s
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         async with sampling(_QUEUE_SAMPLE_SECONDS, sample):
-            samples = await run_open_loop(gateway_url, arrivals, body_for, plan.drain_cap_s)
+            samples = await run_open_loop(gateway_url, arrivals, body_for, plan.drain_cap_s, plan.stall_s)
     counters = await admission_counters(gateway_url)
     offered = rate if batch else rate * (1 - batch_fraction)
     return summarise(key, title, offered, duration, samples, queues.summary(), counters, lead_in_s)
