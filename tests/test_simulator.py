@@ -165,13 +165,45 @@ async def test_include_usage_adds_a_last_chunk_without_choices(start_fleet, sess
         events = await read_events(response)
     last = orjson.loads(events[-2])
     assert last["choices"] == []
-    assert last["usage"] == {
-        "prompt_tokens": 40,
-        "total_tokens": 44,
-        "completion_tokens": 4,
-        "prompt_tokens_details": None,
-    }
+    assert last["usage"] == {"prompt_tokens": 40, "total_tokens": 44, "completion_tokens": 4}  # nulls left out
     assert orjson.loads(events[0])["choices"][0]["text"].strip()  # completions have no role chunk
+
+
+async def usage_of(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The usage an answer reports: the whole answer's, or a stream's last chunk's."""
+    if body.get("stream"):
+        body = {**body, "stream_options": {"include_usage": True}}
+    async with session.post(url + path, json={"model": MODEL, "max_tokens": 2, **body}) as response:
+        assert response.status == 200, await response.text()
+        if not body.get("stream"):
+            return (await response.json())["usage"]
+        return orjson.loads((await read_events(response))[-2])["usage"]
+
+
+async def test_prompt_tokens_details_count_the_cached_prompt_tokens_and_for_chats_those_newly_cached(
+        start_fleet, session):
+    """vLLM's --enable-prompt-tokens-details: a request's cached prompt tokens when first scheduled (whole blocks, the
+    last token always computed), and for chats the tokens of the whole blocks it then cached anew; a stream's usage
+    chunk leaves nulls out (tests/real/test_vllm_usage.py holds a real engine to the same)."""
+    fleet = await start_fleet(enable_prompt_tokens_details=True)
+    url, prompt = fleet.urls[0], [100 + k for k in range(40)]  # two full blocks of 16 and 8 tokens more
+    first = await usage_of(session, url, "/v1/completions", {"prompt": prompt})
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": None,
+                                              "multimodal_tokens": None}
+    assert first["completion_tokens_details"] is None
+    longer = await usage_of(session, url, "/v1/completions", {"prompt": prompt + [7] * 10, "stream": True})
+    assert longer["prompt_tokens_details"] == {"cached_tokens": 32}
+    chat = {"messages": [{"role": "user", "content": text_of_tokens(50, "c")}]}
+    whole = await usage_of(session, url, "/v1/chat/completions", chat)
+    blocks = whole["prompt_tokens"] // 16
+    assert whole["prompt_tokens_details"] == {"cached_tokens": 0, "created_cache_tokens": 16 * blocks,
+                                              "multimodal_tokens": None}
+    again = await usage_of(session, url, "/v1/chat/completions", {**chat, "stream": True})
+    cached = 16 * ((whole["prompt_tokens"] - 1) // 16)
+    assert again["prompt_tokens_details"] == {"cached_tokens": cached, "created_cache_tokens": 16 * blocks - cached}
+    plain = await start_fleet()
+    assert (await usage_of(session, plain.urls[0], "/v1/completions", {"prompt": prompt}))["prompt_tokens_details"] \
+        is None
 
 
 async def test_non_streamed_chat_has_message_finish_reason_and_usage(start_fleet, session):

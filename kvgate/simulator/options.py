@@ -36,6 +36,8 @@ class SimOptions:
     priority_scheduling: bool = _knob(
         False, "order the waiting queue by request priority (vLLM --scheduling-policy priority)"
     )
+    enable_prompt_tokens_details: bool = _knob(False, "report each request's cached prompt tokens in its usage "
+                                                      "(usage.prompt_tokens_details, as vLLM's flag of that name)")
     legacy_cache_metric: bool = _knob(False, "also export vllm:gpu_cache_usage_perc like vLLM 0.10.x")
     startup_seconds: float = _knob(0.0, "model load time before /health and the API answer")
     tokenizer: str = _knob("", "model directory (tokenizer.json, tokenizer_config.json) to tokenize and render chats "

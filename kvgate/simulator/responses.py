@@ -27,16 +27,30 @@ def detokenize(token_ids: list[int]) -> str:
     return "".join(token_text(token_id) for token_id in token_ids)
 
 
-def usage(seqs: list[Sequence], n: int) -> dict[str, Any]:
-    """Token usage of a request whose sequences are grouped n per prompt."""
-    prompt_tokens = sum(seq.num_prompt_tokens for seq in seqs[::n])
+def usage(seqs: list[Sequence], n: int, fmt: ResponseFormat | None = None, details: bool = False) -> dict[str, Any]:
+    """Token usage of a request whose sequences are grouped n per prompt; with `details` (vLLM's
+    --enable-prompt-tokens-details) the prompt tokens found cached and, for chats, those it newly cached."""
+    prompts = seqs[::n]
+    prompt_tokens = sum(seq.num_prompt_tokens for seq in prompts)
     completion_tokens = sum(len(seq.output_ids) for seq in seqs)
+    prompt_details = None
+    if details:
+        created = sum(seq.num_cache_creation_tokens for seq in prompts) if fmt is ChatFormat else None
+        prompt_details = {"cached_tokens": sum(max(seq.num_cached_tokens, 0) for seq in prompts),
+                          "created_cache_tokens": created, "multimodal_tokens": None}
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": prompt_details,
+        "completion_tokens_details": None,
     }
+
+
+def without_nulls(value: dict[str, Any]) -> dict[str, Any]:
+    """The object without its null fields, nested ones too: how vLLM writes a stream's usage chunk."""
+    return {key: without_nulls(item) if isinstance(item, dict) else item
+            for key, item in value.items() if item is not None}
 
 
 class ChatFormat:

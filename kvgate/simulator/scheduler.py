@@ -62,6 +62,8 @@ class Sequence:
     settled_blocks: int = 0  # leading full blocks already published to the cache or left private
     num_computed: int = 0  # tokens whose KV is computed, or scheduled in the current step
     num_scheduled: int = 0  # tokens scheduled in the current step
+    num_cached_tokens: int = -1  # prompt tokens found cached when first scheduled (-1: not yet), as vLLM counts them
+    num_cache_creation_tokens: int = 0  # prompt tokens in full blocks it then cached anew
     arrival_order: int = 0
     seed: int = 0
 
@@ -284,6 +286,10 @@ class EngineCore:
             seq.held = list(hit_hashes)
             seq.settled_blocks = hits
             seq.num_computed = hits * self._block_size
+            if seq.num_cached_tokens < 0:  # the first scheduling counts, not a preempted sequence's return
+                seq.num_cached_tokens = seq.num_computed
+                full_blocks = num_tokens // self._block_size if self.cache.enable_caching else hits
+                seq.num_cache_creation_tokens = (full_blocks - hits) * self._block_size
             self._schedule(seq, num_new)
             budget -= num_new
             if self.cache.enable_caching:

@@ -31,6 +31,7 @@ from kvgate.simulator.responses import (
     now_unix,
     sse,
     usage,
+    without_nulls,
 )
 from kvgate.simulator.scheduler import Sequence
 
@@ -251,6 +252,9 @@ class SimReplica:
         if generation.aborted:
             raise ApiError(HTTPStatus.INTERNAL_SERVER_ERROR, "The engine aborted the request.")
 
+    def _usage(self, seqs: list[Sequence], params: GenerationRequest, fmt: ResponseFormat) -> dict[str, Any]:
+        return usage(seqs, params.n, fmt, self.options.enable_prompt_tokens_details)
+
     @staticmethod
     def _request_id(request: web.Request, params: GenerationRequest) -> str:
         return request.headers.get("X-Request-Id") or params.request_id or uuid.uuid4().hex
@@ -271,7 +275,7 @@ class SimReplica:
                 fmt.full_choice(index, detokenize(seq.output_ids), seq.finish_reason.value)
                 for index, seq in enumerate(generation.seqs)
             ]
-            return _json(header | {"choices": choices, "usage": usage(generation.seqs, params.n)})
+            return _json(header | {"choices": choices, "usage": self._usage(generation.seqs, params, fmt)})
         try:
             return await self._stream(request, generation, params, fmt, header)
         finally:
@@ -313,7 +317,7 @@ class SimReplica:
                 return response
             await response.write(b"".join(events))
         if params.include_usage:
-            await response.write(sse(header | {"choices": [], "usage": usage(seqs, params.n)}))
+            await response.write(sse(header | {"choices": [], "usage": without_nulls(self._usage(seqs, params, fmt))}))
         await response.write(DONE_EVENT)
         await response.write_eof()
         return response

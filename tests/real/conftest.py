@@ -35,14 +35,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engines(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmEngine]]:
-    """Two engines, one per core: 4 seats, 48 KV blocks of 128 tokens, priority scheduling, KV events with replay.
+    """Two engines, one per core: 4 seats, 48 KV blocks of 128 tokens, priority scheduling, KV events with replay,
+    cached prompt tokens in every answer's usage.
 
     Their events endpoints name an address (no `*`): vLLM connects out to it, and the gateway under test binds it."""
     python = vllm_python()
     assert python is not None
     ports, events = free_ports(4), ports_to_bind_later(2)
     specs = [EngineSpec(port=ports[i], cpu=i, model_dir=model_dir, served_model_name=MODEL, max_num_seqs=4,
-                        priority_scheduling=True, kv_events_endpoint=f"tcp://127.0.0.1:{events[i]}",
+                        priority_scheduling=True, prompt_tokens_details=True,
+                        kv_events_endpoint=f"tcp://127.0.0.1:{events[i]}",
                         kv_events_replay_endpoint=f"tcp://127.0.0.1:{ports[2 + i]}") for i in range(2)]
     running = start_engines(specs, tmp_path_factory.mktemp("engines"), python)
     yield running

@@ -53,6 +53,7 @@ class EngineSpec:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None  # always bound by the engine
     shutdown_timeout: int = 10  # seconds in-flight requests get after SIGTERM
+    prompt_tokens_details: bool = False  # each answer's usage tells its cached prompt tokens
 
     def argv(self, python: str) -> list[str]:
         """The command line of this engine."""
@@ -65,6 +66,8 @@ class EngineSpec:
                 "--disable-uvicorn-access-log"]  # fmt: skip
         if self.priority_scheduling:
             argv += ["--scheduling-policy", "priority"]
+        if self.prompt_tokens_details:
+            argv += ["--enable-prompt-tokens-details"]
         if self.kv_events_endpoint is not None:
             events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
                       "endpoint": self.kv_events_endpoint}
