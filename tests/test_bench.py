@@ -211,7 +211,12 @@ def test_poisson_chats_send_every_turn_in_order_at_the_given_rate(tmp_path: Path
     for row in rows.values():
         assert row["errors"] == 0 and row["requests"] == 36  # 12 conversations of 3 turns, none skipped
         assert 0 < row["requests_per_second"] <= 15  # paced by the arrivals, not as fast as the replicas answer
+        # Each answer's cached tokens, summed by turn, tell the same misses as the replicas' counters.
+        missed = row["missed_first_turns"] + row["missed_later_turns"]
+        assert abs(missed - (1 - row["hit_rate"])) < 0.01, row
     assert rows["cache-aware"]["hit_rate"] > rows["round-robin"]["hit_rate"]
+    assert rows["oracle"]["missed_first_turns"] > 0  # each tenant's first conversation prefills its system prompt
+    assert rows["round-robin"]["missed_later_turns"] > rows["cache-aware"]["missed_later_turns"]
 
 
 def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Path) -> None:

@@ -24,6 +24,9 @@ class RequestSample:
     e2e: float
     output_chunks: int
     error: str | None
+    prompt_tokens: int | None = None  # from the answer's usage, where it reports one
+    cached_tokens: int | None = None  # prompt tokens the engine found cached (usage.prompt_tokens_details)
+    turn: int | None = None  # a chat's turn (0: its first), where the load is conversations
 
 
 class ChatStream:
@@ -35,6 +38,7 @@ class ChatStream:
         self.delta_times: list[float] = []  # clock() at each non-empty content delta
         self.error: str | None = None
         self.done = False
+        self.usage: dict[str, Any] = {}  # the usage chunk's (stream_options.include_usage)
 
     def feed(self, line: bytes) -> None:
         """Take one line of the body; anything but a `data:` line is ignored."""
@@ -48,6 +52,7 @@ class ChatStream:
         if "error" in event:
             self.error = f"stream error: {str(event['error'])[:_ERROR_TEXT_CHARS]}"
             return
+        self.usage = event.get("usage") or self.usage
         for choice in event.get("choices") or ():
             content = (choice.get("delta") or {}).get("content")
             if content:
@@ -107,6 +112,7 @@ async def stream_chat(
 ) -> tuple[RequestSample, str]:
     """Send one streamed chat completion, given up after `timeout` seconds; the sample and the reply text."""
     reply = await post_chat(session, base_url, orjson.dumps(body), timeout=timeout)
+    details = reply.usage.get("prompt_tokens_details") or {}
     sample = RequestSample(reply.sent - run_start, reply.ttft, reply.ended - reply.sent, len(reply.delta_times),
-                           reply.error)
+                           reply.error, reply.usage.get("prompt_tokens"), details.get("cached_tokens"))
     return sample, "".join(reply.text)

@@ -4,6 +4,7 @@ or Poisson arrivals, bounded in count and time, to the targets in turn (several 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 from collections import deque
@@ -24,8 +25,10 @@ OnSample = Callable[[RequestSample], None]
 
 
 def chat_body(spec: WorkloadSpec, messages: list[dict[str, str]]) -> dict[str, Any]:
-    """A streamed chat completion request for the workload's model."""
-    return {"model": spec.model, "messages": messages, "max_tokens": spec.max_tokens, "stream": True}
+    """A streamed chat completion request for the workload's model, asking for its usage (with the prompt tokens
+    the engine found cached, where it reports them)."""
+    return {"model": spec.model, "messages": messages, "max_tokens": spec.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
 
 
 class _OpenChat:
@@ -111,6 +114,7 @@ class ConversationDriver:
         cutoff = start + self._spec.duration + _GRACE_SECONDS_AFTER_CAP - asyncio.get_running_loop().time()
         sample, reply = await stream_chat(session, next(self._targets), chat_body(self._spec, chat.messages),
                                           start, cutoff)
+        sample = dataclasses.replace(sample, turn=chat.turn - 1)
         self.samples.append(sample)
         if self._on_sample is not None:
             self._on_sample(sample)

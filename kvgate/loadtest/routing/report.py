@@ -109,6 +109,10 @@ class RowSummary:
     errors: int
     hit_rate: float | None
     hit_share_of_oracle: float | None
+    # prompt tokens missed by conversations' first turns and by their later turns, as shares of all prompt tokens,
+    # from each answer's cached tokens (None where the answers do not report them)
+    missed_first_turns: float | None
+    missed_later_turns: float | None
     ttft_p50: float | None
     ttft_p99: float | None
     e2e_p50: float | None
@@ -131,6 +135,20 @@ def _shares(counts: list[int]) -> list[float]:
     return [count / sum(counts) for count in counts] if sum(counts) else []
 
 
+def missed_by_turn(samples: Sequence[RequestSample]) -> tuple[float | None, float | None]:
+    """Prompt tokens missed by first turns and by later turns, as shares of all the prompt tokens of the answers that
+    told their cached tokens; (None, None) where none did."""
+    told = [sample for sample in samples if sample.cached_tokens is not None and sample.prompt_tokens
+            and sample.turn is not None]
+    total = sum(sample.prompt_tokens or 0 for sample in told)
+    if not total:
+        return None, None
+    missed: Counter[bool] = Counter()
+    for sample in told:
+        missed[sample.turn == 0] += (sample.prompt_tokens or 0) - (sample.cached_tokens or 0)
+    return missed[True] / total, missed[False] / total
+
+
 def summarise_row(row: RowRun, oracle_hit_rate: float | None) -> RowSummary:
     """Figures from a row's client samples and its replicas' counters."""
     ok = [sample for sample in row.samples if sample.error is None]
@@ -141,9 +159,11 @@ def summarise_row(row: RowRun, oracle_hit_rate: float | None) -> RowSummary:
     span = max((s.start + s.e2e for s in row.samples), default=0.0) - min((s.start for s in row.samples), default=0.0)
     wall = span or row.wall_seconds or float("inf")
     hit_rate, stats = row.hit_rate, row.replica_stats
+    missed_first, missed_later = missed_by_turn(ok)
     return RowSummary(
         name=row.plan.name, kind=row.plan.kind, requests=len(row.samples), errors=row.errors, hit_rate=hit_rate,
         hit_share_of_oracle=hit_rate / oracle_hit_rate if hit_rate is not None and oracle_hit_rate else None,
+        missed_first_turns=missed_first, missed_later_turns=missed_later,
         ttft_p50=percentile(ttfts, 50), ttft_p99=percentile(ttfts, 99),
         e2e_p50=percentile([s.e2e for s in ok], 50), e2e_p99=percentile([s.e2e for s in ok], 99),
         requests_per_second=len(ok) / wall,
@@ -200,8 +220,8 @@ def _check_row(plan: RowPlan, row: RowSummary, rows: dict[str, RowSummary], base
 
 
 # Figures that vary from run to run: a row of repeated runs reports their median and range.
-_VARYING = ("hit_rate", "hit_share_of_oracle", "ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "requests_per_second",
-            "output_tokens_per_second", "max_over_mean")
+_VARYING = ("hit_rate", "hit_share_of_oracle", "missed_first_turns", "missed_later_turns", "ttft_p50", "ttft_p99",
+            "e2e_p50", "e2e_p99", "requests_per_second", "output_tokens_per_second", "max_over_mean")
 
 
 def combine_runs(runs: Sequence[RowSummary]) -> RowSummary:
@@ -287,19 +307,22 @@ def _cell(row: RowSummary, figure: str, scale: float, digits: int, unit: str = "
     return shown if low_high is None else f"{shown} ({low_high[0] * scale:.{digits}f}-{low_high[1] * scale:.{digits}f})"
 
 
-_HEADER = ("row", "hit rate", "% of oracle", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms", "E2E p99 ms", "req/s",
-           "out tok/s", "requests", "errors", "max/mean req", "replica shares", "kvgate decisions", "targets")
+_HEADER = ("row", "hit rate", "% of oracle", "missed: first / later turns", "TTFT p50 ms", "TTFT p99 ms", "E2E p50 ms",
+           "E2E p99 ms", "req/s", "out tok/s", "requests", "errors", "max/mean req", "replica shares", "kvgate decisions",
+           "targets")
 
 
-_RIGHT = [False] + [True] * 11  # the figures; names, shares, decisions and targets read left to right
+_RIGHT = [False] + [True] * 12  # the figures; names, shares, decisions and targets read left to right
 
 
 def _cells(row: RowSummary) -> list[str]:
     if row.failure is not None:
-        return [row.name, f"did not run: {row.failure}", *[""] * 13]
+        return [row.name, f"did not run: {row.failure}", *[""] * 14]
     targets = [f"{'PASS' if check.passed else 'FAIL'} {check.name} ({check.detail})" for check in row.targets]
+    missed = "-" if row.missed_first_turns is None else \
+        f"{_cell(row, 'missed_first_turns', 100, 1, '%')} / {_cell(row, 'missed_later_turns', 100, 1, '%')}"
     return [
-        row.name, _cell(row, "hit_rate", 100, 1, "%"), _cell(row, "hit_share_of_oracle", 100, 1, "%"),
+        row.name, _cell(row, "hit_rate", 100, 1, "%"), _cell(row, "hit_share_of_oracle", 100, 1, "%"), missed,
         *(_cell(row, name, 1000, 0) for name in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")),
         _cell(row, "requests_per_second", 1, 1), _cell(row, "output_tokens_per_second", 1, 0),
         str(row.requests), str(row.errors), _cell(row, "max_over_mean", 1, 2),
@@ -336,7 +359,11 @@ def _setup(report: BenchReport) -> str:
         f"Fleet: {fleet['replicas']} {kind} that never evicts, traffic sent to it directly: the hit-rate ceiling. "
         f"Each fleet replica's KV cache holds {fleet['cache_fraction'] * 100:.0f}% of the distinct prefixes in play "
         "(every tenant's system prompt and every open conversation).  \n"
-        "Hit rate: prefix-cache hit tokens / queried tokens from the replicas' own counters. Every row replays "
+        "Hit rate: prefix-cache hit tokens / queried tokens from the replicas' own counters. Missed: the prompt "
+        "tokens conversations' first turns (a tenant's system prompt, where none holds it) and their later turns "
+        "(history moved or evicted) did not find cached, each as a share of all prompt tokens, from every answer's "
+        "`usage.prompt_tokens_details.cached_tokens` (the replicas run with `--enable-prompt-tokens-details`). Every "
+        "row replays "
         "the same requests; replica caches and counters are reset between rows. With several runs per row a "
         "figure is the median, its range in brackets.\n\n"
     )

@@ -73,7 +73,7 @@ async def vllm_fleet(spec: WorkloadSpec, replicas: int, cache_fraction: float, p
         def engine(port: int, cpu: int, blocks: int, seats: int, publish: bool = False) -> EngineSpec:
             return EngineSpec(port=port, cpu=cpu, model_dir=model_dir, served_model_name=spec.model,
                               kv_cache_bytes=blocks * BLOCK_SIZE * KV_BYTES_PER_TOKEN, max_num_seqs=seats,
-                              max_model_len=sizing.max_model_len,
+                              max_model_len=sizing.max_model_len, prompt_tokens_details=True,
                               kv_events_endpoint=f"ipc://{sockets}/{port}" if publish else None,
                               kv_events_replay_endpoint=f"ipc://{sockets}/{port}.replay" if publish else None)
 
