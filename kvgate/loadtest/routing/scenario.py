@@ -115,8 +115,8 @@ def settings_from(options: argparse.Namespace, loads: Sequence[Load], vllm_pytho
         loads=tuple(loads), replicas=options.replicas,
         policies=tuple(name.strip() for name in options.policies.split(",") if name.strip()),
         gateways=options.gateways, externals=externals, cache_fraction=options.cache_fraction,
-        sim=SimOptions(speed=options.speed, enable_prompt_tokens_details=True), out_dir=options.out, runs=options.runs, vllm_python=vllm_python,
-        tokenizer_dir=tokenizer_dir,
+        sim=SimOptions(speed=options.speed, enable_prompt_tokens_details=True), out_dir=options.out, runs=options.runs,
+        vllm_python=vllm_python, tokenizer_dir=tokenizer_dir,
     )  # fmt: skip
 
 
