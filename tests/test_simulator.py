@@ -169,11 +169,13 @@ async def test_include_usage_adds_a_last_chunk_without_choices(start_fleet, sess
     assert orjson.loads(events[0])["choices"][0]["text"].strip()  # completions have no role chunk
 
 
-async def usage_of(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The usage an answer reports: the whole answer's, or a stream's last chunk's."""
+async def usage_of(session: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any],
+                   base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The usage an answer to `body` (over `base`: this simulator's model, 2 tokens) reports: the whole answer's, or a
+    stream's last chunk's."""
     if body.get("stream"):
         body = {**body, "stream_options": {"include_usage": True}}
-    async with session.post(url + path, json={"model": MODEL, "max_tokens": 2, **body}) as response:
+    async with session.post(url + path, json={**(base or {"model": MODEL, "max_tokens": 2}), **body}) as response:
         assert response.status == 200, await response.text()
         if not body.get("stream"):
             return (await response.json())["usage"]

@@ -29,13 +29,15 @@ def detokenize(token_ids: list[int]) -> str:
 
 def usage(seqs: list[Sequence], n: int, fmt: ResponseFormat | None = None, details: bool = False) -> dict[str, Any]:
     """Token usage of a request whose sequences are grouped n per prompt; with `details` (vLLM's
-    --enable-prompt-tokens-details) the prompt tokens found cached and, for chats, those it newly cached."""
+    --enable-prompt-tokens-details) the prompt tokens found cached and, where `fmt` reports them, those it newly
+    cached."""
     prompts = seqs[::n]
     prompt_tokens = sum(seq.num_prompt_tokens for seq in prompts)
     completion_tokens = sum(len(seq.output_ids) for seq in seqs)
     prompt_details = None
     if details:
-        created = sum(seq.num_cache_creation_tokens for seq in prompts) if fmt is ChatFormat else None
+        created = sum(seq.num_cache_creation_tokens for seq in prompts) if fmt and fmt.reports_cache_creation \
+            else None
         prompt_details = {"cached_tokens": sum(max(seq.num_cached_tokens, 0) for seq in prompts),
                           "created_cache_tokens": created, "multimodal_tokens": None}
     return {
@@ -59,6 +61,7 @@ class ChatFormat:
     id_prefix = "chatcmpl"
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
+    reports_cache_creation = True  # usage.prompt_tokens_details.created_cache_tokens (vLLM's chat serving sets it)
 
     @staticmethod
     def opening_choice(index: int) -> dict[str, Any] | None:
@@ -97,6 +100,7 @@ class CompletionFormat:
     id_prefix = "cmpl"
     object_name = "text_completion"
     chunk_object = "text_completion"
+    reports_cache_creation = False  # vLLM's completion serving leaves it null
 
     @staticmethod
     def opening_choice(index: int) -> dict[str, Any] | None:

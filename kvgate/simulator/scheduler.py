@@ -288,8 +288,8 @@ class EngineCore:
             seq.num_computed = hits * self._block_size
             if seq.num_cached_tokens < 0:  # the first scheduling counts, not a preempted sequence's return
                 seq.num_cached_tokens = seq.num_computed
-                full_blocks = num_tokens // self._block_size if self.cache.enable_caching else hits
-                seq.num_cache_creation_tokens = (full_blocks - hits) * self._block_size
+                if self.cache.enable_caching:
+                    seq.num_cache_creation_tokens = (num_tokens // self._block_size - hits) * self._block_size
             self._schedule(seq, num_new)
             budget -= num_new
             if self.cache.enable_caching:

@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import orjson
 import pytest
 
 from kvgate.simulator import SimFleet, SimOptions
 from tests.real.conftest import MODEL
+from tests.test_simulator import usage_of
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,20 +27,10 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
 
 
 async def usages(url: str) -> list[dict[str, Any]]:
-    """The usage of each request in turn: the whole answer's, or the last chunk's of a stream asking for it."""
-    found = []
+    """The usage of each request in turn."""
     async with aiohttp.ClientSession() as session:
-        for path, body in REQUESTS:
-            options = {"stream_options": {"include_usage": True}} if body.get("stream") else {}
-            request = {"model": MODEL, "max_tokens": 3, "ignore_eos": True, **body, **options}
-            async with session.post(url + path, json=request) as response:
-                assert response.status == 200, await response.text()
-                if body.get("stream"):
-                    lines = [line async for line in response.content if line.startswith(b"data: {")]
-                    found.append(orjson.loads(lines[-1][6:])["usage"])
-                else:
-                    found.append((await response.json())["usage"])
-    return found
+        return [await usage_of(session, url, path, body, {"model": MODEL, "max_tokens": 3, "ignore_eos": True})
+                for path, body in REQUESTS]
 
 
 async def test_prompt_tokens_details_match_the_engines(fresh_engines, model_dir: Path):
