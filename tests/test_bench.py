@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -217,6 +218,13 @@ def test_poisson_chats_send_every_turn_in_order_at_the_given_rate(tmp_path: Path
     assert rows["cache-aware"]["hit_rate"] > rows["round-robin"]["hit_rate"]
     assert rows["oracle"]["missed_first_turns"] > 0  # each tenant's first conversation prefills its system prompt
     assert rows["round-robin"]["missed_later_turns"] > rows["cache-aware"]["missed_later_turns"]
+    # Each row's requests, one JSON line each, for analysis past the report.
+    lines = (tmp_path / "runs" / "chat-zipf" / "cache-aware" / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
+    assert Counter(sample["turn"] for sample in samples) == {0: 12, 1: 12, 2: 12}
+    assert all(sample["error"] is None and 0 < sample["ttft"] <= sample["e2e"] for sample in samples)
+    cached = sum(sample["cached_tokens"] for sample in samples) / sum(sample["prompt_tokens"] for sample in samples)
+    assert abs(cached - rows["cache-aware"]["hit_rate"]) < 0.01
 
 
 def test_docs_section_is_replaced_between_markers_and_the_rest_kept(tmp_path: Path) -> None:

@@ -36,6 +36,12 @@ def write_docs_section(path: Path, section: str, markdown: str) -> None:
     path.write_text(text)
 
 
+def write_samples(path: Path, samples: Iterable[object]) -> None:
+    """One JSON line per request sample (a dataclass), for analysis past the report's figures."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(orjson.dumps(sample) + b"\n" for sample in samples))
+
+
 def utc_now() -> str:
     """The current UTC time to the minute."""
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -29,6 +29,7 @@ from kvgate.loadtest.kit.processes import (
     start_gateway,
     start_sim_fleet,
 )
+from kvgate.loadtest.kit.report import write_samples
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.loadtest.routing.client import ChatLoad, Load
 from kvgate.loadtest.routing.report import (
@@ -230,6 +231,7 @@ async def _measure(row: RowRun, session: aiohttp.ClientSession, sim_urls: Sequen
 
     async with sampling_load(session, sim_urls, probe) as series, sampling(_PROGRESS_INTERVAL_SECONDS, tick):
         row.samples = await load.drive(targets, work_dir, done.append)
+        write_samples(work_dir / "samples.jsonl", row.samples)
         row.wall_seconds = loop.time() - start
     row.load = series
     row.replica_stats = await probe.stats(session, sim_urls)
