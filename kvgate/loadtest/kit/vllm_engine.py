@@ -173,10 +173,18 @@ class VllmEngine:
         urllib.request.urlopen(request, timeout=10).close()
 
     def log_tail(self, lines: int = 40) -> str:
-        """The last lines of the engine's log."""
+        """The log's first error (`lines` lines from its first ERROR or traceback line: an engine core that fails
+        to start says why there, long before the API server's own traceback ends the log) and its last lines."""
         if not self.log_path.exists():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        text = self.log_path.read_text(errors="replace").splitlines()
+        first = next((number for number, line in enumerate(text) if "ERROR" in line or line.startswith("Traceback")),
+                     None)
+        if first is None:
+            return "\n".join(text[-lines:])
+        tail_from = max(first + lines, len(text) - lines)
+        return "\n".join([*text[first:first + lines], *(["..."] if tail_from > first + lines else []),
+                          *text[tail_from:]])
 
 
 def start_engines(specs: list[EngineSpec], workdir: Path, python: str, timeout: float = 240.0) -> list[VllmEngine]:
