@@ -108,11 +108,13 @@ async def post_chat(session: aiohttp.ClientSession, base_url: str, body: bytes,
 
 
 async def stream_chat(
-    session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], run_start: float, timeout: float
+    session: aiohttp.ClientSession, base_url: str, body: dict[str, Any], run_start: float, timeout: float,
+    turn: int | None = None,
 ) -> tuple[RequestSample, str]:
-    """Send one streamed chat completion, given up after `timeout` seconds; the sample and the reply text."""
+    """Send one streamed chat completion (a chat's `turn`, where the load is conversations), given up after `timeout`
+    seconds; the sample and the reply text."""
     reply = await post_chat(session, base_url, orjson.dumps(body), timeout=timeout)
     details = reply.usage.get("prompt_tokens_details") or {}
     sample = RequestSample(reply.sent - run_start, reply.ttft, reply.ended - reply.sent, len(reply.delta_times),
-                           reply.error, reply.usage.get("prompt_tokens"), details.get("cached_tokens"))
+                           reply.error, reply.usage.get("prompt_tokens"), details.get("cached_tokens"), turn)
     return sample, "".join(reply.text)

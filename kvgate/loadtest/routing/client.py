@@ -4,7 +4,6 @@ or Poisson arrivals, bounded in count and time, to the targets in turn (several 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import random
 from collections import deque
@@ -113,8 +112,7 @@ class ConversationDriver:
         chat.turn += 1
         cutoff = start + self._spec.duration + _GRACE_SECONDS_AFTER_CAP - asyncio.get_running_loop().time()
         sample, reply = await stream_chat(session, next(self._targets), chat_body(self._spec, chat.messages),
-                                          start, cutoff)
-        sample = dataclasses.replace(sample, turn=chat.turn - 1)
+                                          start, cutoff, turn=chat.turn - 1)
         self.samples.append(sample)
         if self._on_sample is not None:
             self._on_sample(sample)

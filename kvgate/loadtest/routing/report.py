@@ -138,15 +138,14 @@ def _shares(counts: list[int]) -> list[float]:
 def missed_by_turn(samples: Sequence[RequestSample]) -> tuple[float | None, float | None]:
     """Prompt tokens missed by first turns and by later turns, as shares of all the prompt tokens of the answers that
     told their cached tokens; (None, None) where none did."""
-    told = [sample for sample in samples if sample.cached_tokens is not None and sample.prompt_tokens
+    told = [(sample.turn == 0, prompt, prompt - cached) for sample in samples
+            if (prompt := sample.prompt_tokens) and (cached := sample.cached_tokens) is not None
             and sample.turn is not None]
-    total = sum(sample.prompt_tokens or 0 for sample in told)
+    total = sum(prompt for _, prompt, _ in told)
     if not total:
         return None, None
-    missed: Counter[bool] = Counter()
-    for sample in told:
-        missed[sample.turn == 0] += (sample.prompt_tokens or 0) - (sample.cached_tokens or 0)
-    return missed[True] / total, missed[False] / total
+    first = sum(missed for is_first, _, missed in told if is_first)
+    return first / total, sum(missed for is_first, _, missed in told if not is_first) / total
 
 
 def summarise_row(row: RowRun, oracle_hit_rate: float | None) -> RowSummary:
@@ -312,12 +311,13 @@ _HEADER = ("row", "hit rate", "% of oracle", "missed: first / later turns", "TTF
            "targets")
 
 
-_RIGHT = [False] + [True] * 12  # the figures; names, shares, decisions and targets read left to right
+# The figures right-aligned; names, shares, decisions and targets read left to right.
+_RIGHT = [False] + [True] * (_HEADER.index("replica shares") - 1)
 
 
 def _cells(row: RowSummary) -> list[str]:
     if row.failure is not None:
-        return [row.name, f"did not run: {row.failure}", *[""] * 14]
+        return [row.name, f"did not run: {row.failure}", *[""] * (len(_HEADER) - 2)]
     targets = [f"{'PASS' if check.passed else 'FAIL'} {check.name} ({check.detail})" for check in row.targets]
     missed = "-" if row.missed_first_turns is None else \
         f"{_cell(row, 'missed_first_turns', 100, 1, '%')} / {_cell(row, 'missed_later_turns', 100, 1, '%')}"

@@ -231,8 +231,8 @@ async def _measure(row: RowRun, session: aiohttp.ClientSession, sim_urls: Sequen
 
     async with sampling_load(session, sim_urls, probe) as series, sampling(_PROGRESS_INTERVAL_SECONDS, tick):
         row.samples = await load.drive(targets, work_dir, done.append)
-        write_samples(work_dir / "samples.jsonl", row.samples)
         row.wall_seconds = loop.time() - start
+    write_samples(work_dir / "samples.jsonl", row.samples)
     row.load = series
     row.replica_stats = await probe.stats(session, sim_urls)
 
