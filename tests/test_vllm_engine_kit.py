@@ -1,10 +1,27 @@
-"""The real-engine kit's failure report: an engine that dies says why, not only how its API server ended."""
+"""The real-engine kit: the interpreter it is given, and its failure report (an engine that dies says why, not only how
+its API server ended)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from kvgate.loadtest.kit.vllm_engine import EngineSpec, VllmEngine
+import pytest
+
+from kvgate.loadtest.kit.vllm_engine import VLLM_PYTHON_ENV, EngineSpec, VllmEngine, vllm_python
+
+
+def test_a_relative_interpreter_is_made_absolute_with_its_symlink_kept(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Engines run in their own directories, so `KVGATE_VLLM_PYTHON=.venv-vllm/bin/python` must not stay relative;
+    # a virtual environment's interpreter is a symlink to the base one, which lacks vLLM, so it must not be resolved.
+    tmp_path.joinpath("base-python").write_text("")
+    tmp_path.joinpath("venv", "bin").mkdir(parents=True)
+    tmp_path.joinpath("venv", "bin", "python").symlink_to(tmp_path / "base-python")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(VLLM_PYTHON_ENV, "venv/bin/python")
+    assert vllm_python() == str(tmp_path / "venv" / "bin" / "python")
+    monkeypatch.setenv(VLLM_PYTHON_ENV, "venv/bin/no-such-python")
+    assert vllm_python() is None
 
 
 def test_a_dead_engines_report_holds_its_first_error_and_its_last_lines(tmp_path: Path) -> None:

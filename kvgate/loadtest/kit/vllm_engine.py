@@ -24,9 +24,11 @@ HASH_SEED = "0"  # PYTHONHASHSEED of every engine: sha256_cbor block hashes are 
 
 
 def vllm_python() -> str | None:
-    """The interpreter with vLLM installed, or None when the real-engine suite was not set up."""
+    """The interpreter with vLLM installed, or None when the real-engine suite was not set up. A relative path is
+    taken from the current directory and made absolute (engines run in their own directories); its symlink is
+    kept, since a virtual environment's interpreter is one."""
     path = os.environ.get(VLLM_PYTHON_ENV)
-    return path if path and Path(path).exists() else None
+    return str(Path(path).absolute()) if path and Path(path).exists() else None
 
 
 def require_vllm_python(flag: str = "") -> str:
