@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -253,6 +255,15 @@ def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_pat
     assert "zipf/cache-aware:" in result.stderr  # one progress line per row
 
     report = json.loads((out / "routing.json").read_text())
+    # which code ran, so that two versions compared are the two meant (python -m prefers the current directory)
+    code = report["machine"]["code"]
+    assert code["path"] == str(Path(kvgate.__file__).resolve().parent)
+    assert f"kvgate bench routing: kvgate from {code['path']}" in result.stderr
+    if shutil.which("git"):
+        head = subprocess.run(["git", "-C", code["path"], "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        assert code["commit"] == head and isinstance(code["modified"], bool)
+        assert f"Code: kvgate from {code['path']} (commit {head}" in (out / "routing.md").read_text()
     (scenario,) = report["scenarios"]
     rows = {row["name"]: row for row in scenario["rows"]}
     assert list(rows) == EXPECTED_ROWS

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvgate.loadtest.kit.processes import ProcessError
-from kvgate.loadtest.kit.report import BadOption
+from kvgate.loadtest.kit.report import BadOption, code_version, describe_code
 
 _Preset = TypeVar("_Preset")
 
@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     options.command = command_line(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    print(f"kvgate bench {chosen.name}: {describe_code(code_version())}", file=sys.stderr)
     try:
         return importlib.import_module(chosen.module).run(options)
     except BadOption as exc:

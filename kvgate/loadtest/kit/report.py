@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
+import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import orjson
+
+import kvgate
 
 
 class BadOption(ValueError):
@@ -42,6 +46,34 @@ def write_samples(path: Path, samples: Iterable[object]) -> None:
     path.write_bytes(b"".join(orjson.dumps(sample) + b"\n" for sample in samples))
 
 
+@functools.cache
+def code_version() -> dict[str, Any]:
+    """Which kvgate this process runs: its package's directory and, where git tracks that package, the checkout's
+    commit and whether the package's files differ from it (None where git cannot tell: an installed copy). Comparing
+    two versions of the code rests on it: `python -m` puts the current directory ahead of PYTHONPATH, so a checkout
+    named there loses to the one the command is started in."""
+    package = Path(kvgate.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    tracked = git("ls-files", "--error-unmatch", "__init__.py") is not None
+    commit = git("rev-parse", "--short=12", "HEAD") if tracked else None
+    changes = git("status", "--porcelain", "--untracked-files=no", "--", ".") if commit else None
+    return {"path": str(package), "commit": commit, "modified": None if changes is None else bool(changes)}
+
+
+def describe_code(code: dict[str, Any]) -> str:
+    """`code_version()` in words: the package's directory, its commit and whether it was modified."""
+    if code["commit"] is None:
+        return f"kvgate from {code['path']} (not in a git checkout)"
+    return f"kvgate from {code['path']} (commit {code['commit']}{', modified' if code['modified'] else ''})"
+
+
 def utc_now() -> str:
     """The current UTC time to the minute."""
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -54,9 +86,11 @@ class RunMeta:
         self._load_before = os.getloadavg()[0]
 
     def finish(self, **extra: Any) -> dict[str, Any]:
-        """The run's metadata now it has ended: date (UTC), CPUs, Python, load average before/after, and `extra`."""
+        """The run's metadata now it has ended: date (UTC), CPUs, Python, load average before/after, the code that
+        ran, and `extra`."""
         return {"date": utc_now(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                "loadavg_1m": [round(self._load_before, 2), round(os.getloadavg()[0], 2)], **extra}
+                "loadavg_1m": [round(self._load_before, 2), round(os.getloadavg()[0], 2)], "code": code_version(),
+                **extra}
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], right: Sequence[bool] = ()) -> list[str]:

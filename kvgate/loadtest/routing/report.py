@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvgate.loadtest.kit.counters import LoadSeries
-from kvgate.loadtest.kit.report import markers, table, write_docs_section
+from kvgate.loadtest.kit.report import code_version, describe_code, markers, table, write_docs_section
 from kvgate.loadtest.kit.stats import percentile, spread
 from kvgate.loadtest.kit.stream import RequestSample
 from kvgate.simulator import SimOptions
@@ -291,10 +291,15 @@ class BenchReport:
         return all(row.failure is None and all(check.passed for check in row.targets) for row in rows)
 
 
+def _code_line(code: dict[str, Any] | None) -> str:
+    """The Markdown line naming the code a report's rows ran (none for a report that does not say)."""
+    return f"Code: {describe_code(code)}.  \n" if code else ""
+
+
 def machine_info() -> dict[str, Any]:
-    """The CPUs, OS, Python and load average the benchmark ran on."""
+    """The CPUs, OS, Python and load average the benchmark ran on, and the code it ran."""
     return {"nproc": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
+            "loadavg_1m": round(os.getloadavg()[0], 2), "code": code_version()}
 
 
 def _cell(row: RowSummary, figure: str, scale: float, digits: int, unit: str = "") -> str:
@@ -356,6 +361,7 @@ def _setup(report: BenchReport) -> str:
         f"Command: `{report.command}`  \n"
         f"Machine: {machine['nproc']} CPUs, {machine['platform']}, Python {machine['python']}; {report.date}; "
         f"1-minute load average at the end: {machine['loadavg_1m']}.  \n"
+        f"{_code_line(machine.get('code'))}"
         f"Fleet: {fleet['replicas']} {kind} that never evicts, traffic sent to it directly: the hit-rate ceiling. "
         f"Each fleet replica's KV cache holds {fleet['cache_fraction'] * 100:.0f}% of the distinct prefixes in play "
         "(every tenant's system prompt and every open conversation).  \n"
