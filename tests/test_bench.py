@@ -275,8 +275,11 @@ def test_quick_bench_writes_a_report_where_cache_aware_beats_round_robin(tmp_pat
         assert abs(sum(row["replica_shares"]) - 1.0) < 1e-9
     assert rows["cache-aware"]["hit_rate"] > rows["round-robin"]["hit_rate"]
     # every request routed once, counted by reason (a decision learned from a peer gateway is no decision)
-    for name in ("round-robin", "cache-aware", "cache-aware x3", "cache-aware x3 shared"):
-        assert sum(rows[name]["decisions"].values()) == rows[name]["requests"]
+    for name in ("round-robin", "cache-aware", "prefix-hash", "least-load", "cache-aware x3", "cache-aware x3 shared"):
+        decisions = rows[name]["decisions"]
+        moved_by = sum(count for reason, count in decisions.items() if reason.startswith("overflow by "))
+        assert sum(decisions.values()) - moved_by == rows[name]["requests"]
+        assert moved_by == decisions.get("overflow", 0)  # every overflow says what moved it
     assert rows["round-robin"]["decisions"].keys() == {"round_robin"} and rows["oracle"]["decisions"] == {}
     assert rows["oracle"]["hit_rate"] >= rows["round-robin"]["hit_rate"]
     assert {check["name"] for check in rows["cache-aware"]["targets"]} >= {"hit >= 95% of oracle",

@@ -187,6 +187,7 @@ def test_prefix_hash_sends_a_prefix_home_until_home_is_over_the_bound() -> None:
     decision = policy.pick(req, busy)
     assert (decision.reason, decision.endpoint.key) == ("overflow", rendezvous_order(
         placement_key(req, CONFIG.affinity_blocks), busy.endpoints)[1].key)
+    assert (decision.moved_by, policy.pick(req, fleet).moved_by) == ("bounded-load", "")
     below_one = build_policy("prefix-hash", RoutingConfig(load_bound=0.5, load_slack=0))
     assert below_one.pick(req, idle_fleet(KEYS[:4], {k: 2 for k in KEYS[:4]})).reason == "fallback"
 
@@ -249,7 +250,7 @@ def test_cache_aware_overflows_when_the_holder_is_over_the_bound() -> None:
     holder = fleet.get(home_of(req, fleet))
     policy.record(req, holder)
     decision = policy.pick(req, idle_fleet(loads={holder.key: 6}))
-    assert decision.reason == "overflow"
+    assert (decision.reason, decision.moved_by) == ("overflow", "bounded-load")  # a hot spot, by in-flight load
     assert decision.endpoint.key == rendezvous_order(placement_key(req, CONFIG.affinity_blocks), fleet.endpoints)[1].key
     below_one = CacheAwarePolicy(RoutingConfig(load_bound=0.5, hot_spot_bound=0.5, load_slack=0))
     for key in KEYS[:4] * 20:  # twenty recent requests each: every share is over half the mean
@@ -414,9 +415,10 @@ def test_a_queue_on_the_holder_moves_a_request_once_waiting_costs_more_than_pref
         return fleet_of(state(holder.key, waiting=waiting, running=4, stale=False, scraped_at=1.0), state(KEYS[1]))
 
     assert policy.pick(req, with_queue(1)).endpoint.key == holder.key  # 2 x 0.05 s < 0.32 s
-    assert policy.pick(req, with_queue(5)).endpoint.key == holder.key  # 6 x 0.05 s < 0.32 s
+    kept = policy.pick(req, with_queue(5))  # 6 x 0.05 s < 0.32 s
+    assert (kept.endpoint.key, kept.moved_by) == (holder.key, "")
     decision = policy.pick(req, with_queue(6))  # 7 x 0.05 s > 0.32 s
-    assert (decision.reason, decision.endpoint.key) == ("overflow", KEYS[1])
+    assert (decision.reason, decision.endpoint.key, decision.moved_by) == ("overflow", KEYS[1], "cost")
 
 
 @pytest.mark.parametrize("waiting", [1, 6])
@@ -462,6 +464,7 @@ def test_placement_spills_a_replica_whose_recent_share_is_over_the_bound_not_one
         policy.record(request(prompt(f"r{i}")), idle_fleet(keys).endpoints[0 if i % 2 else 1 + i % 4 // 2])
     decision = policy.pick(newcomer, idle_fleet(keys))
     assert decision.reason == "overflow" and decision.endpoint.key != keys[0]
+    assert decision.moved_by == "recent-share"
 
 
 def test_the_hot_spot_bound_ignores_poisson_noise_at_low_load_but_not_a_pile_up() -> None:

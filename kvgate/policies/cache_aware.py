@@ -29,8 +29,9 @@ feed the same decision.
    another placed its earlier turns) is taken to be at its tenant's home, history included, and is routed
    as a continuation: the share bound does not push it off the replica that holds its history.
 Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the
-assigned or rendezvous home, nobody holding more), "overflow" (load moved it off either), "fallback" (every
-candidate was over its cap: the least loaded).
+assigned or rendezvous home, nobody holding more), "overflow" (load moved it off either; the decision's
+`moved_by` names the filter that ruled that replica out, or "cost" where its queue cost more than the miss),
+"fallback" (every candidate was over its cap: the least loaded).
 
 Where a replica's KV events flow (a PrecisePrefixIndex that knows its state) its match is the truth: the
 leading prompt tokens it really holds; elsewhere, the approximate index's belief, in tokens.
@@ -50,7 +51,7 @@ from kvgate.policies.prefix_index import PrefixIndex, index_capacity_blocks
 from kvgate.policies.profile import continuation_profile, placement_profile
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.tenants import TenantPlacement
-from kvgate.policies.types import Decision, RequestInfo
+from kvgate.policies.types import MOVED_BY_COST, Decision, RequestInfo
 
 
 class Observation(NamedTuple):
@@ -135,11 +136,12 @@ class CacheAwarePolicy:
             cycle = Cycle(request, key, seen, home)
         eligible = profile.filter(cycle, candidates)
         if not eligible:
-            ranked, reason = least_loaded_order(key, candidates), "fallback"
+            ranked, reason, passed_over = least_loaded_order(key, candidates), "fallback", None
         else:
             ranked = profile.rank(cycle, eligible)
-            reason = self._reason(cycle, ranked[0], candidates)
-        return self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason)
+            reason, passed_over = self._reason(cycle, ranked[0], candidates)
+        moved_by = "" if passed_over is None else profile.ruled_out_by(cycle, candidates, passed_over) or MOVED_BY_COST
+        return self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason, moved_by)
 
     def _observe(self, request: RequestInfo, candidates: tuple[EndpointState, ...], now: float) -> Observation:
         """What a decision about `request` starts from, with the request counted in its tenant's popularity: this
@@ -161,15 +163,16 @@ class CacheAwarePolicy:
         return Observation(matched, all_precise, key, shared, tenants)
 
     @staticmethod
-    def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> str:
+    def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> tuple[str, str | None]:
+        """Why `chosen`, and for an overflow the replica it passed over: one holding the most, or the home."""
         matched = cycle.matched_tokens
         most, least = max(matched.values()), min(matched.values())
         if matched[chosen.key] < most:
-            return "overflow"
+            return "overflow", max(matched, key=matched.__getitem__)
         if most > least:
-            return "prefix_hit"
+            return "prefix_hit", None
         home = cycle.home or rendezvous_order(cycle.placement_key, candidates)[0].key
-        return "cold" if chosen.key == home else "overflow"
+        return ("cold", None) if chosen.key == home else ("overflow", home)
 
     def record(self, request: RequestInfo, chosen: EndpointState) -> None:
         """The chosen replica now caches the request's blocks, and has one more recent request."""
@@ -204,7 +207,7 @@ class CacheAwarePolicy:
         return self.index.approx_bytes
 
     def _decision(self, request: RequestInfo, matched: dict[str, int], ranked: list[EndpointState],
-                  fallbacks: tuple[EndpointState, ...], reason: str) -> Decision:
+                  fallbacks: tuple[EndpointState, ...], reason: str, moved_by: str) -> Decision:
         chosen = ranked[0]
         fraction = matched[chosen.key] / prompt_tokens(request, self._config)
-        return Decision(chosen, reason, matched_fraction=min(fraction, 1.0), fallbacks=fallbacks)
+        return Decision(chosen, reason, matched_fraction=min(fraction, 1.0), fallbacks=fallbacks, moved_by=moved_by)

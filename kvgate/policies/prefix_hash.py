@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvgate.endpoints.types import FleetSnapshot
 from kvgate.policies.config import RoutingConfig
-from kvgate.policies.filters import under_cap
+from kvgate.policies.filters import BoundedLoadFilter, under_cap
 from kvgate.policies.no_index import NoPrefixIndex
 from kvgate.policies.rendezvous import least_loaded_order, placement_key, rendezvous_order, retry_order
 from kvgate.policies.types import Decision, RequestInfo
@@ -36,5 +36,6 @@ class PrefixHashPolicy(NoPrefixIndex):
         if not eligible:
             ranked = least_loaded_order(key, candidates)
             return Decision(ranked[0], "fallback", fallbacks=tuple(ranked[1:]))
-        reason = "cold" if eligible[0] is order[0] else "overflow"
-        return Decision(eligible[0], reason, fallbacks=retry_order(key, eligible, candidates))
+        cold = eligible[0] is order[0]
+        return Decision(eligible[0], "cold" if cold else "overflow", fallbacks=retry_order(key, eligible, candidates),
+                        moved_by="" if cold else BoundedLoadFilter.name)

@@ -28,6 +28,15 @@ class SchedulingProfile:
             remaining = candidate_filter.filter(cycle, remaining)
         return remaining
 
+    def ruled_out_by(self, cycle: Cycle, candidates: Sequence[EndpointState], key: str) -> str | None:
+        """The name of the first filter that leaves the replica `key` out of the candidates; None when none does."""
+        remaining = tuple(candidates)
+        for candidate_filter in self.filters:
+            remaining = candidate_filter.filter(cycle, remaining)
+            if all(state.key != key for state in remaining):
+                return candidate_filter.name
+        return None
+
     def rank(self, cycle: Cycle, candidates: Sequence[EndpointState]) -> list[EndpointState]:
         """Candidates best first."""
         return self.picker.rank(cycle, candidates)

@@ -44,9 +44,11 @@ class Decision:
     reason: str  # one of REASONS
     matched_fraction: float = 0.0  # share of the request's blocks the chosen replica is believed to hold
     fallbacks: tuple[EndpointState, ...] = ()  # every other candidate, in the order a retry tries them
+    moved_by: str = ""  # an overflow's cause: the filter that ruled out where it would have gone, or MOVED_BY_COST
 
 
 REASONS = ("prefix_hit", "cold", "overflow", "fallback", "round_robin", "least_load")
+MOVED_BY_COST = "cost"  # an overflow no filter caused: another replica was cheaper for the request
 
 
 class Policy(Protocol):

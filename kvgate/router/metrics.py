@@ -44,6 +44,9 @@ class GatewayMetrics:
                                ["cause"], registry=r)
         self.decisions = Counter("kvgate_routing_decisions", "Routing decisions by policy and reason",
                                  ["policy", "reason"], registry=r)
+        self.overflows = Counter("kvgate_routing_overflows", "Requests moved off the replica holding their context "
+                                 "or assigned their prefix, by policy and what moved them (a filter, or cost)",
+                                 ["policy", "moved_by"], registry=r)
         self.matched_fraction = Histogram("kvgate_prefix_match_fraction",
                                           "Share of a request's prefix blocks the chosen replica is believed to hold",
                                           buckets=_FRACTION_BUCKETS, registry=r)

@@ -122,8 +122,9 @@ class PickerStream:
                                               model if self._gateway.serves(model) else "other",
                                               self._status, replica).inc()
         reason = self._decision.reason if self._decision else "-"
-        log.info("picked id=%s model=%s replica=%s reason=%s status=%s duration_ms=%.1f", self._request.request_id,
-                 model, replica, reason, self._status, (time.monotonic() - self._request.arrived) * 1000)
+        moved_by = f" moved_by={self._decision.moved_by}" if self._decision and self._decision.moved_by else ""
+        log.info("picked id=%s model=%s replica=%s reason=%s status=%s duration_ms=%.1f%s", self._request.request_id,
+                 model, replica, reason, self._status, (time.monotonic() - self._request.arrived) * 1000, moved_by)
 
     async def _request_headers(self, message: ext_proc.ProcessingRequest) -> list[ext_proc.ProcessingResponse]:
         headers = {h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value

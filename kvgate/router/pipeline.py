@@ -122,6 +122,8 @@ class RequestPipeline:
             raise GatewayError(503, "no replica can take this request now; retry shortly",
                                headers={"Retry-After": "1"})
         gateway.metrics.decisions.labels(gateway.policy.name, decision.reason).inc()
+        if decision.moved_by:
+            gateway.metrics.overflows.labels(gateway.policy.name, decision.moved_by).inc()
         gateway.metrics.matched_fraction.observe(decision.matched_fraction)
         return decision
 
@@ -137,7 +139,7 @@ class RequestPipeline:
         headers = forwardable(http.headers, gateway.forwarder.dropped_headers)
         headers["x-request-id"] = outcome.request_id
         targets = iter((decision.endpoint, *decision.fallbacks))
-        outcome.reason, outcome.matched = decision.reason, decision.matched_fraction
+        outcome.follow(decision)
         outcome.sent = time.monotonic()
         preemptions = retries = 0
         target = next(targets)
@@ -166,7 +168,7 @@ class RequestPipeline:
                 standing = await gateway.admission.admit(request.info, request.rank, preemptions)
                 decision = self.decide(request, standing=standing)
                 targets = iter((decision.endpoint, *decision.fallbacks))
-                outcome.reason, outcome.matched = decision.reason, decision.matched_fraction
+                outcome.follow(decision)
                 target = next(targets)
 
     def refuse(self, error: GatewayError, outcome: Outcome) -> web.Response:
@@ -189,10 +191,11 @@ class RequestPipeline:
         if outcome.ttfb is not None:
             metrics.ttfb.labels(path, model_label).observe(outcome.ttfb)
         log.info("request id=%s path=%s model=%s class=%s replica=%s reason=%s matched=%.2f status=%s attempts=%d "
-                 "wait_ms=%s ttfb_ms=%s duration_ms=%.1f%s", outcome.request_id, path, model,
+                 "wait_ms=%s ttfb_ms=%s duration_ms=%.1f%s%s", outcome.request_id, path, model,
                  request.info.priority_class if request is not None else "-", outcome.replica, outcome.reason,
                  outcome.matched, outcome.status, outcome.attempts, _ms(outcome.sent, outcome.arrived),
                  "-" if outcome.ttfb is None else f"{outcome.ttfb * 1000:.1f}", duration * 1000,
+                 f" moved_by={outcome.moved_by}" if outcome.moved_by else "",
                  f" error={outcome.error}" if outcome.error else "")
 
 

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.types import RequestInfo
+from kvgate.policies.types import Decision, RequestInfo
 from kvgate.router.errors import GatewayError, error_body
 from kvgate.router.headers import forwardable
 from kvgate.router.metrics import NO_REPLICA, GatewayMetrics
@@ -56,9 +56,14 @@ class Outcome:
     replica: str = NO_REPLICA
     reason: str = "-"  # the routing decision's reason (prefix_hit, cold, overflow, ...)
     matched: float = 0.0  # share of the prompt the chosen replica was taken to hold
+    moved_by: str = ""  # an overflow's cause: the filter that ruled out where it would have gone, or cost
     ttfb: float | None = None
     error: str | None = None  # kind of upstream failure, if any
     attempts: int = 0
+
+    def follow(self, decision: Decision) -> None:
+        """Take the routing decision's reason, match and cause as what the request was sent by."""
+        self.reason, self.matched, self.moved_by = decision.reason, decision.matched_fraction, decision.moved_by
 
 
 class Retryable(Exception):

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 _DECISIONS = "kvgate_routing_decisions"
+_OVERFLOWS = "kvgate_routing_overflows"
 
 
 async def metric_samples(session: aiohttp.ClientSession, url: str, families: Collection[str]) -> list[Sample]:
@@ -26,12 +27,15 @@ async def metric_samples(session: aiohttp.ClientSession, url: str, families: Col
 
 
 async def read_decisions(session: aiohttp.ClientSession, urls: Sequence[str]) -> dict[str, int]:
-    """Routing decisions by reason (prefix_hit, cold, overflow, ...), summed over the gateways at `urls`."""
+    """Routing decisions by reason (prefix_hit, cold, overflow, ...) and overflows by what moved them ("overflow by
+    cost", "overflow by recent-share", ...), summed over the gateways at `urls`."""
     totals: Counter[str] = Counter()
-    for samples in await asyncio.gather(*(metric_samples(session, url, {_DECISIONS}) for url in urls)):
+    for samples in await asyncio.gather(*(metric_samples(session, url, {_DECISIONS, _OVERFLOWS}) for url in urls)):
         for sample in samples:
-            if sample.name.endswith("_total"):
+            if sample.name == _DECISIONS + "_total":
                 totals[sample.labels["reason"]] += int(sample.value)
+            elif sample.name == _OVERFLOWS + "_total":
+                totals["overflow by " + sample.labels["moved_by"]] += int(sample.value)
     return dict(totals)
 
 
