@@ -101,7 +101,8 @@ async def replay(address: str, start: int, timeout_s: float) -> AsyncIterator[tu
     try:
         await dealer.send_multipart((b"", encode_seq(start)))
         while True:
-            frames = await asyncio.wait_for(dealer.recv_multipart(), timeout_s)
+            async with asyncio.timeout(timeout_s):  # not wait_for: on 3.11 it can swallow the caller's cancel
+                frames = await dealer.recv_multipart()
             if len(frames) < 2:
                 raise EventDecodeError(f"replay answer of {len(frames)} frames")
             seq, payload = decode_seq(frames[-2]), frames[-1]
