@@ -43,12 +43,13 @@ def state(key: str, in_flight: int = 0, **metrics: object) -> EndpointState:
     return EndpointState(Endpoint(key, f"http://{key}:8000"), metrics=scraped, in_flight=in_flight)
 
 
-def fleet_of(*states: EndpointState) -> FleetSnapshot:
-    return FleetSnapshot(tuple(states))
+def fleet_of(*states: EndpointState, partial_view: bool = False) -> FleetSnapshot:
+    return FleetSnapshot(tuple(states), partial_view=partial_view)
 
 
-def idle_fleet(keys: list[str] = KEYS, loads: dict[str, int] | None = None) -> FleetSnapshot:
-    return fleet_of(*(state(key, (loads or {}).get(key, 0)) for key in keys))
+def idle_fleet(keys: list[str] = KEYS, loads: dict[str, int] | None = None, partial_view: bool = False) -> FleetSnapshot:
+    """Replicas with these in-flight loads; `partial_view`: as a gateway that knows of part of their traffic sees them."""
+    return fleet_of(*(state(key, (loads or {}).get(key, 0)) for key in keys), partial_view=partial_view)
 
 
 def request(text: str) -> RequestInfo:
@@ -266,7 +267,9 @@ def test_a_system_prompt_cached_everywhere_does_not_pull_new_prompts_to_one_repl
         policy.record(request(system), endpoint)
     placed = Counter()
     for i in range(200):
-        decision = policy.pick(request(system + prompt(f"user-{i}", blocks=2)), fleet)
+        new = request(system + prompt(f"user-{i}", blocks=2))
+        decision = policy.pick(new, fleet)
+        policy.record(new, decision.endpoint)
         assert decision.reason == "cold"
         placed[decision.endpoint.key] += 1
     assert min(placed[key] for key in KEYS[:4]) > 25
@@ -397,10 +400,13 @@ def test_a_replica_a_few_requests_over_the_mean_keeps_the_conversation_it_caches
     assert BoundedLoadFilter(CONFIG.load_bound).filter(cycle_for(turn2), busy.endpoints) != busy.endpoints
     decision = policy.pick(turn2, busy)
     assert (decision.reason, decision.endpoint.key) == ("prefix_hit", holder.key)
-    # A new conversation of a tenant whose home that replica is gets placed under the bound instead.
+    # A new tenant goes where the fewest requests went lately; to a gateway that knows of part of the traffic, its
+    # home is that replica, and the tenant is placed under the bound instead.
     newcomer = next(req for i in range(100) if rendezvous_order(
         placement_key(req := tenant_chat(f"u{i}", "hi"), req.anchor_blocks), busy.endpoints)[0].key == holder.key)
     decision = policy.pick(newcomer, busy)
+    assert decision.reason == "cold" and decision.endpoint.key != holder.key
+    decision = policy.pick(newcomer, dataclasses.replace(busy, partial_view=True))
     assert decision.reason == "overflow" and decision.endpoint.key != holder.key
 
 
@@ -457,12 +463,12 @@ def test_placement_spills_a_replica_whose_recent_share_is_over_the_bound_not_one
     newcomer = next(req for i in range(100) if rendezvous_order(
         placement_key(req := tenant_chat(f"n{i}", "hi"), req.anchor_blocks), idle_fleet(keys).endpoints)[0].key == keys[0])
     # An instant burst on its home (in flight 5 against 1 and 1) is noise: the tenant still goes home.
-    burst = idle_fleet(keys, {keys[0]: 5, keys[1]: 1, keys[2]: 1})
+    burst = idle_fleet(keys, {keys[0]: 5, keys[1]: 1, keys[2]: 1}, partial_view=True)
     assert (policy.pick(newcomer, burst).reason, policy.pick(newcomer, burst).endpoint.key) == ("cold", keys[0])
     # Half of the last few hundred requests went there: a hot spot under skew, so new context goes elsewhere.
     for i in range(300):
         policy.record(request(prompt(f"r{i}")), idle_fleet(keys).endpoints[0 if i % 2 else 1 + i % 4 // 2])
-    decision = policy.pick(newcomer, idle_fleet(keys))
+    decision = policy.pick(newcomer, idle_fleet(keys, partial_view=True))
     assert decision.reason == "overflow" and decision.endpoint.key != keys[0]
     assert decision.moved_by == "recent-share"
 
@@ -486,7 +492,7 @@ def chat_of(*turns: str, system: str | None = None) -> RequestInfo:
 
 @pytest.mark.parametrize("blocks", [2, 5, 12])  # a first message shorter than, about, and longer than the affinity
 def test_a_conversation_without_a_system_prompt_stays_where_its_first_turn_went(blocks: int) -> None:
-    fleet = idle_fleet(KEYS[:3])
+    fleet = idle_fleet(KEYS[:3], partial_view=True)  # gateways that do not share their decisions
     gateway, other_gateway = build_policy("cache-aware", CONFIG), build_policy("cache-aware", CONFIG)
     placed_home = 0
     for i in range(30):

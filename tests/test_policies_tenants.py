@@ -5,6 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
+
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot
 from kvgate.policies import RoutingConfig, build_policy, build_request_info
 from kvgate.policies.balance import balance_window
@@ -16,8 +18,10 @@ CONFIG = RoutingConfig()
 WINDOW = balance_window(len(REPLICAS), CONFIG.load_bound)
 
 
-def fleet(keys: list[str] = REPLICAS) -> FleetSnapshot:
-    return FleetSnapshot(tuple(EndpointState(Endpoint(key, f"http://{key}:8000")) for key in keys))
+def fleet(keys: list[str] = REPLICAS, partial_view: bool = False) -> FleetSnapshot:
+    """Idle replicas; `partial_view`: as a gateway that knows of part of their traffic sees them."""
+    return FleetSnapshot(tuple(EndpointState(Endpoint(key, f"http://{key}:8000")) for key in keys),
+                         partial_view=partial_view)
 
 
 def zipf_stream(tenants: int, count: int, s: float, seed: int) -> list[int]:
@@ -126,9 +130,10 @@ def chat(tenant: int, *turns: str) -> object:
     return build_request_info("chat", {"model": "m", "messages": messages}, "interactive", CONFIG)
 
 
-def test_new_conversations_follow_their_tenants_home_not_a_shared_opening_words_block() -> None:
+@pytest.mark.parametrize("partial_view", [False, True])  # placed by the fleet's history, or by the tenant map
+def test_new_conversations_follow_their_tenants_home_not_a_shared_opening_words_block(partial_view: bool) -> None:
     policy = build_policy("cache-aware", CONFIG)
-    idle = fleet()
+    idle = fleet(partial_view=partial_view)
     placed: dict[int, set[str]] = {}
     for turn in range(400):
         tenant = turn % 24
@@ -143,7 +148,7 @@ def test_new_conversations_follow_their_tenants_home_not_a_shared_opening_words_
 
 def test_a_later_turn_another_gateway_placed_stays_at_its_tenants_home_past_the_share_bound() -> None:
     policy = build_policy("cache-aware", CONFIG)
-    idle = fleet()
+    idle = fleet(partial_view=True)  # the other gateway does not share its decisions
     placed: Counter[str] = Counter()
     for number in range(600):  # tenant 0 brings two thirds of the traffic: more than its home's share bound allows
         tenant = 0 if number % 3 else number % 24
@@ -159,3 +164,34 @@ def test_a_later_turn_another_gateway_placed_stays_at_its_tenants_home_past_the_
     later = chat(0, "Question 1: what about the refund?", "Question 2: and the invoice?", "Question 3: when?")
     decision = policy.pick(later, idle)
     assert decision.endpoint.key == home and decision.reason == "prefix_hit"
+
+
+def test_a_gateway_that_knows_every_request_places_each_tenant_evenly_from_its_first_and_never_moves_it() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    idle = fleet()
+    first: dict[int, str] = {}
+    for number in range(240):  # 24 tenants' conversations, each tenant's first one among the first 24 requests
+        tenant = number % 24
+        request = chat(tenant, f"Question 1: what about item {number}?")
+        decision = policy.pick(request, idle)
+        policy.record(request, decision.endpoint)
+        assert first.setdefault(tenant, decision.endpoint.key) == decision.endpoint.key  # never moved
+    assert sorted(Counter(first.values()).values()) == [8, 8, 8]
+    # By rendezvous alone (all a gateway knowing of part of the traffic has before its tenant map fills), the same
+    # tenants' first conversations land unevenly.
+    alone = build_policy("cache-aware", CONFIG)
+    by_key = Counter(alone.pick(chat(tenant, "Question 1: hello?"), fleet(partial_view=True)).endpoint.key
+                     for tenant in range(24))
+    assert sorted(by_key.values()) != [8, 8, 8]
+
+
+def test_gateways_sharing_their_decisions_send_each_new_tenant_to_the_same_replica() -> None:
+    gateways = [build_policy("cache-aware", CONFIG), build_policy("cache-aware", CONFIG)]
+    idle = fleet()
+    for number in range(120):
+        request = chat(number % 30, f"Question 1: what about item {number}?")
+        choices = [gateway.pick(request, idle).endpoint for gateway in gateways]
+        assert choices[0] == choices[1]
+        deciding, learning = gateways[number % 2], gateways[1 - number % 2]  # a round-robin front takes turns
+        deciding.record(request, choices[0])
+        learning.learn(request, choices[0], idle)

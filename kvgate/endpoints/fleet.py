@@ -11,6 +11,7 @@ from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
 from kvgate.policies.capacity import SeatLearner, peer_seats
 from kvgate.policies.token_rate import PromptTokenRates, fleet_rate
+from kvgate.policies.traffic_view import TrafficView
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class Fleet:
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
         self._token_rates = PromptTokenRates()
+        self._traffic = TrafficView()
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -73,6 +75,7 @@ class Fleet:
             self._open_at_page.pop(key, None)
             self._seats.forget(key)
             self._token_rates.forget(key)
+            self._traffic.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
         for set_listener in self._set_listeners:
@@ -100,7 +103,7 @@ class Fleet:
         filled = self._seats.filled()
         states = tuple(self._state(key, endpoint, models[key], learned.get(key), peers.get(key), key in filled)
                        for key, endpoint in self._endpoints.items())
-        snapshot = FleetSnapshot(endpoints=states, now=now)
+        snapshot = FleetSnapshot(endpoints=states, now=now, partial_view=self._traffic.partial())
         self._cached = (version, snapshot)
         return snapshot
 
@@ -140,6 +143,18 @@ class Fleet:
             if learned is not None:
                 log.info("replica seats learned key=%s seats=%d", key, learned)
             self._token_rates.scraped(key, metrics.finished_requests, metrics.finished_prompt_tokens)
+            self._follow_traffic(key, metrics.finished_requests)
+
+    def _follow_traffic(self, key: str, finished: int | None) -> None:
+        """Count the replica's finished requests against those this gateway knows of; log when the view changes."""
+        was = self._traffic.partial()
+        self._traffic.scraped(key, finished)
+        if self._traffic.partial() != was:
+            log.info("routing view changed partial=%s seen_share=%.2f", not was, self._traffic.seen_share() or 0.0)
+
+    def seen_share(self) -> float | None:
+        """The share of the replicas' finished requests this gateway sent or learned of (TrafficView)."""
+        return self._traffic.seen_share()
 
     def acquire(self, key: str) -> None:
         """Count a request sent to `key` (at pick time, so the next pick sees it)."""
@@ -157,6 +172,7 @@ class Fleet:
         """One more request on `key` since its last scrape."""
         self._recent[key] += 1
         self._sends[key] += 1
+        self._traffic.sent(key)
         self._version += 1
 
     def release(self, key: str) -> None:

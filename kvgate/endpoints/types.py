@@ -95,6 +95,7 @@ class FleetSnapshot:
 
     endpoints: tuple[EndpointState, ...]
     now: float = 0.0
+    partial_view: bool = False  # this gateway knows of only part of its replicas' traffic (policies/traffic_view.py)
     # candidates() per model: admission, preemption and the pick all ask for them about one request
     _candidates: dict[str, tuple[EndpointState, ...]] = field(default_factory=dict, init=False, repr=False,
                                                                compare=False)
@@ -113,7 +114,8 @@ class FleetSnapshot:
 
     def restricted(self, keep: Callable[[EndpointState], bool]) -> FleetSnapshot:
         """The same instant with only the endpoints `keep` accepts."""
-        return FleetSnapshot(endpoints=tuple(s for s in self.endpoints if keep(s)), now=self.now)
+        return FleetSnapshot(endpoints=tuple(s for s in self.endpoints if keep(s)), now=self.now,
+                             partial_view=self.partial_view)
 
     def known_models(self) -> frozenset[str]:
         """Union of the models every endpoint reports."""

@@ -124,15 +124,21 @@ class CacheAwarePolicy:
                     # where it is held as a continuation is (only a hot spot moves it; the share bound would have it
                     # prefill the system prompt again elsewhere and evict as much there).
                     profile = self._continuation
-            elif home is not None:
-                held = shared
-                if _carries_history(request):
+            else:
+                if fleet.partial_view:
+                    # This gateway knows of part of the traffic, so what its own index says about the anchor is
+                    # its own history, which must not count: the tenant's assigned home is taken to hold it.
+                    seen = {endpoint: shared if home in (None, endpoint) else everywhere for endpoint in matched}
+                else:
+                    # This gateway knows of every request (alone, or its peers share their decisions): its index
+                    # is the fleet's history, the same on every gateway. New context stays where its tenant's
+                    # conversations are, and a tenant new to the fleet goes where the fewest requests went lately.
+                    seen = {endpoint: min(tokens, shared) for endpoint, tokens in matched.items()}
+                    home = self._believed_home(key, seen, candidates)
+                if home is not None and _carries_history(request):
                     # A later turn whose earlier ones this gateway never placed (another gateway did) is where
                     # its tenant's conversations go, history and all, and stays there as a continuation would.
-                    held, profile = prompt_tokens(request, self._config), self._continuation
-                seen = {endpoint: held if endpoint == home else everywhere for endpoint in matched}
-            else:
-                seen = dict.fromkeys(matched, shared)
+                    seen[home], profile = prompt_tokens(request, self._config), self._continuation
             cycle = Cycle(request, key, seen, home)
         eligible = profile.filter(cycle, candidates)
         if not eligible:
@@ -161,6 +167,15 @@ class CacheAwarePolicy:
         tenants = self._tenants.setdefault(request.model, TenantPlacement())
         tenants.observe(key, self._window)
         return Observation(matched, all_precise, key, shared, tenants)
+
+    def _believed_home(self, key: int, seen: dict[str, int], candidates: tuple[EndpointState, ...]) -> str:
+        """Where new context goes by the fleet's history: the replica believed to hold most of what it shares with its
+        tenant's conversations, else the one the fewest recent requests went to; ties in the key's rendezvous order."""
+        order = rendezvous_order(key, candidates)
+        most = max(seen.values())
+        if most > min(seen.values()):
+            return next(state.key for state in order if seen[state.key] == most)
+        return min(order, key=lambda state: self._recent.count(state.key)).key
 
     @staticmethod
     def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> tuple[str, str | None]:

@@ -111,6 +111,7 @@ class Gateway:
             endpoint_states=lambda: self.fleet.snapshot().endpoints,
             index_blocks=lambda: sum(self.policy.index_sizes().values()),
             index_bytes=self.policy.index_bytes,
+            seen_share=self.fleet.seen_share,
         ))
         if self.kv_events is not None and self.precise is not None:
             self.metrics.add_collector(KvEventsCollector(self.kv_events.stats, self.precise))
@@ -247,7 +248,10 @@ class Gateway:
                     "age_s": None if metrics.scraped_at is None else round(snapshot.now - metrics.scraped_at, 3),
                 },
             })
+        seen = self.fleet.seen_share()
         return {"draining": self.draining, "ready": self.ready()[0], "policy": self.policy.name,
+                "traffic_seen": {"share": None if seen is None else round(seen, 3),
+                                 "partial_view": snapshot.partial_view},
                 "precise_index": None if self.precise is None else {
                     "blocks": self.precise.total_blocks, "bytes": self.precise.approx_bytes,
                     "dropped_blocks": self.precise.dropped_blocks},

@@ -97,8 +97,10 @@ class FleetCollector(Collector):
     """Reads discovery health, endpoint counts, scrape staleness and prefix index size at scrape time."""
 
     def __init__(self, discovery: Callable[[], DiscoveryStatus], endpoint_states: Callable[[], Iterable[EndpointState]],
-                 index_blocks: Callable[[], int], index_bytes: Callable[[], int]) -> None:
+                 index_blocks: Callable[[], int], index_bytes: Callable[[], int],
+                 seen_share: Callable[[], float | None]) -> None:
         self._discovery = discovery
+        self._seen_share = seen_share
         self._endpoint_states = endpoint_states
         self._index_blocks = index_blocks
         self._index_bytes = index_bytes
@@ -137,6 +139,12 @@ class FleetCollector(Collector):
                                 value=self._index_blocks())
         yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",
                                 value=self._index_bytes())
+        seen = GaugeMetricFamily("kvgate_traffic_seen_ratio", "Requests this gateway sent or learned from peers over "
+                                 "the requests its replicas finished (absent until 64 finished)")
+        share = self._seen_share()
+        if share is not None:
+            seen.add_metric([], share)
+        yield seen
 
 
 class KvEventsCollector(Collector):
