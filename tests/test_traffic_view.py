@@ -7,7 +7,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from kvgate.policies.traffic_view import HORIZON, MIN_FINISHED, TrafficView
+from kvgate.policies.traffic_view import HORIZON, MIN_FINISHED, MIN_HELD, TrafficView
 from kvgate.router.gateway import Gateway
 from kvgate.simulator import SimFleet, SimOptions
 from tests.harness import running_gateway, wait_until
@@ -47,6 +47,22 @@ def test_requests_before_the_first_scrape_count_on_neither_side_and_a_restart_st
     assert view.seen_share() == pytest.approx((MIN_FINISHED + 10) / (MIN_FINISHED + 30))
 
 
+def test_before_requests_finish_the_share_is_what_the_gateway_had_open_over_what_the_engines_held() -> None:
+    alone, beside_two, with_peers = TrafficView(), TrafficView(), TrafficView(peers=True)
+    for view, open_requests in ((alone, 4), (beside_two, 1), (with_peers, 1)):
+        view.scraped("a", 0, held=0, open_requests=0)  # idle
+        assert view.seen_share() is None
+        view.scraped("a", 0, held=MIN_HELD // 2, open_requests=open_requests)
+        view.scraped("b", 0, held=MIN_HELD // 2, open_requests=open_requests)
+    assert alone.seen_share() == 1.0 and not alone.partial()
+    assert beside_two.seen_share() == pytest.approx(1 / 4) and beside_two.partial()
+    assert with_peers.seen_share() is None and not with_peers.partial()  # peers' open requests are not this one's
+    engine = [0]  # replica a's finished requests, as its first scrape read them
+    for _ in range(MIN_FINISHED // 16):  # once enough finished, the engines' counters judge
+        serve(beside_two, "a", 16, engine)
+    assert beside_two.seen_share() == pytest.approx(1.0) and not beside_two.partial()
+
+
 def test_the_share_follows_a_peer_gateway_that_starts_sending() -> None:
     view, engine = TrafficView(), [0]
     view.scraped("a", 0)
@@ -80,7 +96,8 @@ async def test_gateways_learn_from_the_engines_counters_whether_they_see_all_of_
             await wait_until(lambda: all(state.metrics.finished_requests == 0
                                          for state in alone.gateway.fleet.snapshot().endpoints))
             await send_chats(alone.url, session, MIN_FINISHED + 16, "alone")
-            await wait_until(lambda: alone.gateway.fleet.seen_share() is not None)
+            await wait_until(lambda: sum(state.metrics.finished_requests or 0 for state in
+                                         alone.gateway.fleet.snapshot().endpoints) == MIN_FINISHED + 16)
             share, partial = view_of(alone.gateway)
             assert share == pytest.approx(1.0, abs=0.1) and not partial
             async with session.get(alone.url + "/metrics") as response:
@@ -90,7 +107,8 @@ async def test_gateways_learn_from_the_engines_counters_whether_they_see_all_of_
                                              for state in second.gateway.fleet.snapshot().endpoints))
                 await asyncio.gather(send_chats(alone.url, session, 3 * MIN_FINISHED, "one"),
                                      send_chats(second.url, session, 3 * MIN_FINISHED, "two"))
-                await wait_until(lambda: second.gateway.fleet.seen_share() is not None
+                await wait_until(lambda: sum(state.metrics.finished_requests or 0 for state in
+                                             second.gateway.fleet.snapshot().endpoints) >= MIN_FINISHED * 6 + 16
                                  and alone.gateway.fleet.snapshot().partial_view)
                 share, partial = view_of(second.gateway)
                 assert share == pytest.approx(0.5, abs=0.1) and partial

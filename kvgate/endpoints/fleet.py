@@ -24,7 +24,8 @@ class Fleet:
     """Keeps the current endpoint set and hands out immutable snapshots of it for routing."""
 
     def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
-                 clock: Callable[[], float] = time.monotonic, seats: int = 0, kv_full: float = 0.8) -> None:
+                 clock: Callable[[], float] = time.monotonic, seats: int = 0, kv_full: float = 0.8,
+                 peers: bool = False) -> None:
         self._metrics = metrics
         self._models = models
         self.health = PassiveHealth(clock=clock)
@@ -41,7 +42,7 @@ class Fleet:
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
         self._token_rates = PromptTokenRates()
-        self._traffic = TrafficView()
+        self._traffic = TrafficView(peers)  # peers: gateways sharing their decisions with this one
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
 
@@ -143,12 +144,12 @@ class Fleet:
             if learned is not None:
                 log.info("replica seats learned key=%s seats=%d", key, learned)
             self._token_rates.scraped(key, metrics.finished_requests, metrics.finished_prompt_tokens)
-            self._follow_traffic(key, metrics.finished_requests)
+            self._follow_traffic(key, metrics, open_at_start)
 
-    def _follow_traffic(self, key: str, finished: int | None) -> None:
-        """Count the replica's finished requests against those this gateway knows of; log when the view changes."""
+    def _follow_traffic(self, key: str, metrics: ReplicaMetrics, open_requests: int) -> None:
+        """Count the replica's requests against those this gateway knows of; log when the view changes."""
         was = self._traffic.partial()
-        self._traffic.scraped(key, finished)
+        self._traffic.scraped(key, metrics.finished_requests, metrics.running + metrics.waiting, open_requests)
         if self._traffic.partial() != was:
             log.info("routing view changed partial=%s seen_share=%.2f", not was, self._traffic.seen_share() or 0.0)
 

@@ -101,6 +101,11 @@ class GatewayConfig:
         """`peers`, each split into host and port."""
         return [split_host_port(peer, "peers") for peer in self.peers]
 
+    @property
+    def shares_decisions(self) -> bool:
+        """Whether this gateway publishes its decisions to peer gateways or learns theirs."""
+        return bool(self.peer_listen or self.peers or self.peer_service)
+
 
 def split_host_port(value: str, name: str) -> tuple[str, int]:
     """Parse HOST:PORT (IPv6 hosts in brackets); raises ConfigError naming the setting."""

@@ -92,14 +92,15 @@ class Gateway:
                                       timeout_s=config.scrape_timeout)
         self.models = ModelLister(self.sessions.poll, refresh_s=config.models_refresh)
         self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats,
-                           kv_full=config.saturation.kv_cache)
+                           kv_full=config.saturation.kv_cache,
+                           peers=config.shares_decisions)
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
                                         self.preemption)
         self.peers = DecisionPeers(config.peer_address, config.peer_addresses, self.routed_elsewhere,
                                    lambda event: self.metrics.peer_decisions.labels(event).inc(),
                                    peer_discovery(config)) \
-            if config.peer_listen or config.peers or config.peer_service else None
+            if config.shares_decisions else None
         self.forwarder = Forwarder(self.sessions.proxy, self.fleet, self.routed, self.metrics,
                                    UpstreamTimeouts(config.connect_timeout, config.idle_timeout,
                                                     config.request_timeout),

@@ -140,7 +140,8 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily("kvgate_prefix_index_bytes", "Estimated memory of the prefix index",
                                 value=self._index_bytes())
         seen = GaugeMetricFamily("kvgate_traffic_seen_ratio", "Requests this gateway sent or learned from peers over "
-                                 "the requests its replicas finished (absent until 64 finished)")
+                                 "the requests its replicas finished (before 64 have: requests open over requests "
+                                 "held; absent until known)")
         share = self._seen_share()
         if share is not None:
             seen.add_metric([], share)
