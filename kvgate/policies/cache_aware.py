@@ -24,16 +24,16 @@ feed the same decision.
    rendezvous order of the placement key. Where every candidate's KV events flow, which replicas hold the anchor
    is every gateway's truth: a replica that really holds it keeps the tenant's new conversations as it keeps a
    continuation (only a hot spot moves them), and the assigned home takes them where none does. The key is the
-   chained hash at the   end of the anchor (every gateway sends a tenant's new conversations to one home, whatever it has seen) or,
-   without one, `affinity_blocks` blocks past the part every candidate holds (distinct prompts behind a common prefix
-   spread by what follows it), and for a chat no deeper than its first own turn (so its later turns key
-   where the first did, on every gateway). A busy home spills to the next replica in the key's own
-   rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of spraying
-   the fleet. A chat's later turn that looks new to this gateway (several gateways share the traffic, and
-   another placed its earlier turns) is taken to be at its tenant's home, history included, and is routed
+   chained hash at the end of the anchor (every gateway sends a tenant's new conversations to one home, whatever
+   it has seen) or, without one, `affinity_blocks` blocks past the part every candidate holds (distinct prompts
+   behind a common prefix spread by what follows it), and for a chat no deeper than its first own turn (so its
+   later turns key where the first did, on every gateway). A busy home spills to the next replica in the
+   key's own rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of
+   spraying the fleet. A chat's later turn that looks new to this gateway (several gateways share the traffic,
+   and another placed its earlier turns) is taken to be at its tenant's home, history included, and is routed
    as a continuation: the share bound does not push it off the replica that holds its history.
-Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the
-assigned or rendezvous home, nobody holding more), "overflow" (load moved it off either; the decision's
+Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the home,
+nobody holding more), "overflow" (load moved it off either; the decision's
 `moved_by` names the filter that ruled that replica out, or "cost" where its queue cost more than the miss),
 "fallback" (every candidate was over its cap: the least loaded).
 

@@ -23,7 +23,7 @@ class Cycle:
     placement_key: int  # rendezvous key of the request's prefix (policies/rendezvous.py)
     # endpoint key -> leading prompt tokens it is believed to hold, from whichever index knows the endpoint
     matched_tokens: Mapping[str, int]
-    home: str | None = None  # the replica a busy tenant's new context is assigned to (policies/tenants.py)
+    home: str | None = None  # where new context goes: where the fleet's history puts it, or its tenant's map home
 
 
 class Filter(Protocol):
