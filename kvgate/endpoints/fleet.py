@@ -154,7 +154,7 @@ class Fleet:
             log.info("routing view changed partial=%s seen_share=%.2f", not was, self._traffic.seen_share() or 0.0)
 
     def seen_share(self) -> float | None:
-        """The share of the replicas' finished requests this gateway sent or learned of (TrafficView)."""
+        """The share of its replicas' requests this gateway sent or learned of (TrafficView); None until known."""
         return self._traffic.seen_share()
 
     def acquire(self, key: str) -> None:
