@@ -115,34 +115,31 @@ class CacheAwarePolicy:
         if any(tokens > shared for tokens in matched.values()):
             cycle, profile = Cycle(request, key, matched), self._continuation
         else:
-            # New context goes to its tenant's assigned home, which every gateway computes alike. Where every
-            # candidate's KV events flow, which replicas hold the anchor is every gateway's truth and placement
-            # weighs it. What a gateway's own index says about the anchor is its own history, which must not
-            # count: the home is taken to hold it (it is where the tenant's conversations go), no other replica.
-            home = tenants.home(key, candidates)
-            profile = self._placement
+            # The tenant map is followed on every placement, so that it is current whichever way this one goes.
+            home, profile = tenants.home(key, candidates), self._placement
             if all_precise:
+                # Every candidate's KV events flow: which replicas hold the anchor is every gateway's truth, and the
+                # tenant's assigned home, which every gateway computes alike, takes it where none does.
                 seen = matched
                 if max(matched.values()) > everywhere:
                     # Some replica really holds what it shares with its tenant's conversations: cached context, kept
                     # where it is held as a continuation is (only a hot spot moves it; the share bound would have it
                     # prefill the system prompt again elsewhere and evict as much there).
                     profile = self._continuation
+            elif fleet.partial_view:
+                # This gateway knows of part of the traffic, so what its own index says about the anchor is its own
+                # history, which must not count: the tenant's assigned home is taken to hold it, no other replica.
+                seen = {endpoint: shared if home in (None, endpoint) else everywhere for endpoint in matched}
             else:
-                if fleet.partial_view:
-                    # This gateway knows of part of the traffic, so what its own index says about the anchor is
-                    # its own history, which must not count: the tenant's assigned home is taken to hold it.
-                    seen = {endpoint: shared if home in (None, endpoint) else everywhere for endpoint in matched}
-                else:
-                    # This gateway knows of every request (alone, or its peers share their decisions): its index
-                    # is the fleet's history, the same on every gateway. New context stays where its tenant's
-                    # conversations are, and a tenant new to the fleet goes where the fewest requests went lately.
-                    seen = {endpoint: min(tokens, shared) for endpoint, tokens in matched.items()}
-                    home = self._believed_home(key, seen, candidates)
-                if home is not None and _carries_history(request):
-                    # A later turn whose earlier ones this gateway never placed (another gateway did) is where
-                    # its tenant's conversations go, history and all, and stays there as a continuation would.
-                    seen[home], profile = prompt_tokens(request, self._config), self._continuation
+                # This gateway knows of every request (alone, or its peers share their decisions): its index is the
+                # fleet's history, the same on every gateway. New context stays where its tenant's conversations
+                # are, and a tenant new to the fleet goes where the fewest requests went lately.
+                seen = {endpoint: min(tokens, shared) for endpoint, tokens in matched.items()}
+                home = self._believed_home(key, seen, candidates)
+            if not all_precise and home is not None and _carries_history(request):
+                # A later turn whose earlier ones this gateway never placed (another gateway did) is where its
+                # tenant's conversations go, history and all, and stays there as a continuation would.
+                seen[home], profile = prompt_tokens(request, self._config), self._continuation
             cycle = Cycle(request, key, seen, home)
         eligible = profile.filter(cycle, candidates)
         if not eligible:
