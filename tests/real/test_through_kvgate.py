@@ -16,6 +16,7 @@ from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.prefix_keys import build_request_info
 from kvgate.policies.token_rate import MIN_REQUESTS
+from kvgate.policies.traffic_view import MIN_FINISHED
 from tests.harness import running_gateway, wait_until
 from tests.metrics_shape import REAL_PAGE, vllm_family_shapes
 from tests.real.conftest import MODEL
@@ -332,3 +333,31 @@ async def test_batch_fills_the_engines_beside_a_trickle_of_interactive_requests(
     for key, counts in open_requests.items():
         # four seats each: the stalls held 1.0-1.7 open a sample; this code kept 3.8-5.4 open in three runs
         assert sum(counts) / len(counts) >= 2.5, (key, counts)
+
+
+async def test_kvgate_learns_from_the_engines_counters_whether_it_sees_all_of_their_traffic(fresh_engines):
+    # Alone, the gateway knows of every request the engines finish; once another client sends them as much again
+    # directly (as a gateway that shares nothing would), it knows of half and places new tenants by the tenant map.
+    limit = asyncio.Semaphore(8)
+
+    async def send(session: aiohttp.ClientSession, url: str, n: int) -> None:
+        async with limit, session.post(url + "/v1/chat/completions",
+                                       json=chat(n % 12, [f"Question {n}: which section applies?"])) as response:
+            assert response.status == 200, await response.text()
+
+    async with running_gateway(endpoints=[e.url for e in fresh_engines], scrape_interval=0.1) as gw, \
+            aiohttp.ClientSession() as session:
+        fleet = gw.gateway.fleet
+        finished = lambda: sum(s.metrics.finished_requests or 0 for s in fleet.snapshot().endpoints)  # noqa: E731
+        await wait_until(lambda: all(s.metrics.finished_requests is not None for s in fleet.snapshot().endpoints),
+                         timeout=10)
+        start = finished()
+        await asyncio.gather(*(send(session, gw.url, n) for n in range(MIN_FINISHED + 16)))
+        await wait_until(lambda: finished() >= start + MIN_FINISHED + 16, timeout=10)
+        assert fleet.seen_share() == pytest.approx(1.0, abs=0.05) and not fleet.snapshot().partial_view
+        others = [send(session, fresh_engines[n % 2].url, n) for n in range(1000, 1000 + 2 * MIN_FINISHED)]
+        ours = [send(session, gw.url, n) for n in range(2000, 2000 + MIN_FINISHED)]
+        await asyncio.gather(*others, *ours)
+        await wait_until(lambda: finished() >= start + 4 * MIN_FINISHED + 16, timeout=10)
+        assert fleet.snapshot().partial_view
+        assert fleet.seen_share() == pytest.approx(144 / 272, abs=0.05)  # 144 of the 272 finished
