@@ -30,25 +30,38 @@ def balance_window(replicas: int, load_bound: float) -> int:
 
 
 class RecentRequests:
-    """Per endpoint, the requests sent to it, each older one weighing (1 - 1/W) less per request sent since."""
+    """Per endpoint, the requests sent to it, each older one weighing (1 - 1/W) less per request sent since; and the
+    requests pledged to it, decaying alike: a new tenant's expected share, which its own requests then replace."""
 
     def __init__(self) -> None:
         self._counts: dict[str, float] = {}
+        self._pledged: dict[str, float] = {}
 
     def count(self, endpoint_key: str) -> float:
         """The endpoint's decayed count of recent requests."""
         return self._counts.get(endpoint_key, 0.0)
 
+    def expected(self, endpoint_key: str) -> float:
+        """The endpoint's recent requests and those pledged to it: the share it will have once new tenants settle."""
+        return self._counts.get(endpoint_key, 0.0) + self._pledged.get(endpoint_key, 0.0)
+
     def record(self, endpoint_key: str, window: int) -> None:
         """One more request sent to the endpoint."""
         keep = 1.0 - 1.0 / window
-        for key in self._counts:
-            self._counts[key] *= keep
+        for decaying in (self._counts, self._pledged):
+            for key in decaying:
+                decaying[key] *= keep
         self._counts[endpoint_key] = self._counts.get(endpoint_key, 0.0) + 1.0
+
+    def pledge(self, endpoint_key: str, requests: float) -> None:
+        """A tenant new to the fleet went to the endpoint: count the decayed requests it is expected to bring, which
+        fade as fast as its own requests add up (an average tenant's total stays level)."""
+        self._pledged[endpoint_key] = self._pledged.get(endpoint_key, 0.0) + requests
 
     def forget(self, endpoint_key: str) -> None:
         """Drop an endpoint that left the fleet."""
         self._counts.pop(endpoint_key, None)
+        self._pledged.pop(endpoint_key, None)
 
 
 class RecentShareFilter:

@@ -17,8 +17,10 @@ feed the same decision.
    seat when one exists. Which replicas hold the anchor by a gateway's own index is the fleet's history where
    the gateway knows of every request (it is alone, or its peers share their decisions: the fleet snapshot's
    `partial_view` is false, policies/traffic_view.py): the replica believed to hold most of it is the home, and
-   a tenant nobody holds goes where the fewest recent requests went, so tenants land evenly from their first
-   request and stay, as the SGLang router's tree keeps them. A gateway that sees part of the traffic must not
+   a tenant nobody holds goes where the fewest recent requests went, a tenant placed lately counting there as the
+   requests a typical tenant brings until its own add up (else new tenants arriving together would all follow the
+   quietest replica), so tenants land evenly from their first request and stay, as the SGLang router's tree keeps
+   them. A gateway that sees part of the traffic must not
    follow its own history, which its peers do not share: a busy tenant's assigned home (policies/tenants.py, a
    map every gateway computes alike) is taken to hold the anchor instead. Equal costs go to the home, then in the
    rendezvous order of the placement key. Where every candidate's KV events flow, which replicas hold the anchor
@@ -148,7 +150,9 @@ class CacheAwarePolicy:
             ranked = profile.rank(cycle, eligible)
             reason, passed_over = self._reason(cycle, ranked[0], candidates)
         moved_by = "" if passed_over is None else profile.ruled_out_by(cycle, candidates, passed_over) or MOVED_BY_COST
-        return self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason, moved_by)
+        decision = self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason, moved_by)
+        self._pledge_if_new(request, matched, decision.endpoint.key, tenants)
+        return decision
 
     def _observe(self, request: RequestInfo, candidates: tuple[EndpointState, ...], now: float) -> Observation:
         """What a decision about `request` starts from, with the request counted in its tenant's popularity: this
@@ -176,7 +180,15 @@ class CacheAwarePolicy:
         most = max(seen.values())
         if most > min(seen.values()):
             return next(state.key for state in order if seen[state.key] == most)
-        return min(order, key=lambda state: self._recent.count(state.key)).key
+        return min(order, key=lambda state: self._recent.expected(state.key)).key
+
+    def _pledge_if_new(self, request: RequestInfo, matched: dict[str, int], chosen: str,
+                       tenants: TenantPlacement) -> None:
+        """A request whose context nobody holds (a tenant new to the fleet, not a later turn another gateway placed)
+        brings the requests of a typical tenant to `chosen`: pledged there, so that the next new tenants do not all
+        follow it to the replica that had the fewest requests until its own add up."""
+        if max(matched.values()) == min(matched.values()) and not _carries_history(request):
+            self._recent.pledge(chosen, tenants.unit)
 
     @staticmethod
     def _reason(cycle: Cycle, chosen: EndpointState, candidates: tuple[EndpointState, ...]) -> tuple[str, str | None]:
@@ -205,7 +217,8 @@ class CacheAwarePolicy:
         candidates = fleet.candidates(request.model)
         if all(state.key != chosen.key for state in candidates):
             return
-        self._observe(request, candidates, fleet.now)
+        observation = self._observe(request, candidates, fleet.now)
+        self._pledge_if_new(request, observation.matched, chosen.key, observation.tenants)
         self.record(request, chosen)
 
     def forget(self, endpoint_key: str) -> None:

@@ -96,6 +96,7 @@ class TenantPlacement:
         self._homes: dict[int, str] = {}
         self._replicas: tuple[str, ...] = ()
         self._refreshed_at = 0
+        self.unit = 0.0  # the mean light tenant's decayed requests at the last refresh (0 while none is busy)
 
     def observe(self, key: int, window: int) -> None:
         """One more request with this placement key; popularity decays over `window` requests."""
@@ -123,4 +124,6 @@ class TenantPlacement:
         if len(busy) > MAX_TENANTS:
             busy = dict(sorted(busy.items(), key=lambda item: (-item[1], item[0]))[:MAX_TENANTS])
         self._weights = coarse_weights(busy, self._weights)
+        light = [busy[key] for key, weight in self._weights.items() if weight == 1.0]
+        self.unit = sum(light) / len(light) if light else 0.0
         self._homes = assign(self._weights, replicas) if replicas else {}
