@@ -189,9 +189,13 @@ def test_a_gateway_that_knows_every_request_places_each_tenant_evenly_from_its_f
 def test_gateways_sharing_their_decisions_send_each_new_tenant_to_the_same_replica() -> None:
     gateways = [build_policy("cache-aware", CONFIG), build_policy("cache-aware", CONFIG)]
     idle = fleet()
-    for number in range(120):
-        request = chat(number % 30, f"Question 1: what about item {number}?")
-        deciding, learning = gateways[number % 2], gateways[1 - number % 2]  # a round-robin front takes turns
+    rng = random.Random(7)
+    for number in range(360):
+        # A tenant new to the fleet every sixth request, the rest from those already seen: new tenants keep coming
+        # after the tenants' weights (and the requests pledged for each new one) are in play.
+        tenant = number // 6 if number % 6 == 0 else rng.randrange(number // 6 + 1)
+        request = chat(tenant, f"Question 1: what about item {number}?")
+        deciding, learning = rng.sample(gateways, 2)  # a front that spreads requests at random
         chosen = deciding.pick(request, idle).endpoint
         # What the other gateway would have chosen, asked of a copy: picking counts the request.
         assert copy.deepcopy(learning).pick(request, idle).endpoint == chosen

@@ -151,7 +151,7 @@ class CacheAwarePolicy:
             reason, passed_over = self._reason(cycle, ranked[0], candidates)
         moved_by = "" if passed_over is None else profile.ruled_out_by(cycle, candidates, passed_over) or MOVED_BY_COST
         decision = self._decision(request, matched, ranked, retry_order(key, ranked, candidates), reason, moved_by)
-        self._pledge_if_new(request, matched, decision.endpoint.key, tenants)
+        self._pledge_if_new(key, decision.endpoint.key, tenants)
         return decision
 
     def _observe(self, request: RequestInfo, candidates: tuple[EndpointState, ...], now: float) -> Observation:
@@ -182,12 +182,11 @@ class CacheAwarePolicy:
             return next(state.key for state in order if seen[state.key] == most)
         return min(order, key=lambda state: self._recent.expected(state.key)).key
 
-    def _pledge_if_new(self, request: RequestInfo, matched: dict[str, int], chosen: str,
-                       tenants: TenantPlacement) -> None:
-        """A request whose context nobody holds (a tenant new to the fleet, not a later turn another gateway placed)
-        brings the requests of a typical tenant to `chosen`: pledged there, so that the next new tenants do not all
-        follow it to the replica that had the fewest requests until its own add up."""
-        if max(matched.values()) == min(matched.values()) and not _carries_history(request):
+    def _pledge_if_new(self, key: int, chosen: str, tenants: TenantPlacement) -> None:
+        """A request whose placement key was not seen lately (a tenant new to the fleet) brings the requests of a
+        typical tenant to `chosen`: pledged there, so that the next new tenants do not all follow it to the replica
+        that had the fewest requests until its own add up."""
+        if tenants.is_new(key):
             self._recent.pledge(chosen, tenants.unit)
 
     @staticmethod
@@ -218,7 +217,7 @@ class CacheAwarePolicy:
         if all(state.key != chosen.key for state in candidates):
             return
         observation = self._observe(request, candidates, fleet.now)
-        self._pledge_if_new(request, observation.matched, chosen.key, observation.tenants)
+        self._pledge_if_new(observation.key, chosen.key, observation.tenants)
         self.record(request, chosen)
 
     def forget(self, endpoint_key: str) -> None:

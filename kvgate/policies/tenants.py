@@ -96,7 +96,8 @@ class TenantPlacement:
         self._homes: dict[int, str] = {}
         self._replicas: tuple[str, ...] = ()
         self._refreshed_at = 0
-        self.unit = 0.0  # the mean light tenant's decayed requests at the last refresh (0 while none is busy)
+        self._assigned_at = -1  # the weighing the map was last assigned from
+        self.unit = 0.0  # the mean light tenant's decayed requests at the last weighing (0 while none is busy)
 
     def observe(self, key: int, window: int) -> None:
         """One more request with this placement key; popularity decays over `window` requests."""
@@ -106,24 +107,32 @@ class TenantPlacement:
         if len(self._counts) > 2 * MAX_TRACKED:
             busiest = sorted(self._counts, key=self._count, reverse=True)[:MAX_TRACKED]
             self._counts = {key: self._counts[key] for key in busiest}
+        if self._tick - self._refreshed_at >= self._window / REFRESH_SHARE:
+            self._reweigh()
+
+    def is_new(self, key: int) -> bool:
+        """Whether the key was not seen lately before its last request: a tenant new to the fleet, or a one-off."""
+        return self._count(key) < BUSY
 
     def home(self, key: int, candidates: Sequence[EndpointState]) -> str | None:
         """The replica the key is assigned to among the candidates; None for a key that is no busy tenant."""
         replicas = tuple(sorted(state.key for state in candidates))
-        if replicas != self._replicas or self._tick - self._refreshed_at >= self._window / REFRESH_SHARE:
-            self._refresh(replicas)
+        if replicas != self._replicas or self._assigned_at != self._refreshed_at:
+            self._replicas, self._assigned_at = replicas, self._refreshed_at
+            self._homes = assign(self._weights, replicas) if replicas else {}
         return self._homes.get(key)
 
     def _count(self, key: int) -> float:
         count, tick = self._counts.get(key, (0.0, self._tick))
         return count * (1.0 - 1.0 / self._window) ** (self._tick - tick)
 
-    def _refresh(self, replicas: tuple[str, ...]) -> None:
-        self._replicas, self._refreshed_at = replicas, self._tick
+    def _reweigh(self) -> None:
+        """Weigh the busy keys again: every few dozen requests observed, so gateways that observe the same requests
+        (their own and their peers') weigh alike at the same moments."""
+        self._refreshed_at = self._tick
         busy = {key: count for key in self._counts if (count := self._count(key)) >= BUSY}
         if len(busy) > MAX_TENANTS:
             busy = dict(sorted(busy.items(), key=lambda item: (-item[1], item[0]))[:MAX_TENANTS])
         self._weights = coarse_weights(busy, self._weights)
         light = [busy[key] for key, weight in self._weights.items() if weight == 1.0]
         self.unit = sum(light) / len(light) if light else 0.0
-        self._homes = assign(self._weights, replicas) if replicas else {}
