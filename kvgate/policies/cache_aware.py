@@ -17,12 +17,12 @@ feed the same decision.
    seat when one exists. Which replicas hold the anchor by a gateway's own index is the fleet's history where
    the gateway knows of every request (it is alone, or its peers share their decisions: the fleet snapshot's
    `partial_view` is false, policies/traffic_view.py): the replica believed to hold most of it is the home, and
-   a tenant nobody holds goes where the fewest recent requests went, a tenant placed lately counting there as the
-   requests a typical tenant brings until its own add up (else new tenants arriving together would all follow the
-   quietest replica), so tenants land evenly from their first request and stay, as the SGLang router's tree keeps
-   them. A gateway that sees part of the traffic must not
-   follow its own history, which its peers do not share: a busy tenant's assigned home (policies/tenants.py, a
-   map every gateway computes alike) is taken to hold the anchor instead. Equal costs go to the home, then in the
+   a tenant nobody holds goes where the fewest recent requests went, a tenant new to the fleet counting there as
+   the requests a typical tenant brings until its own add up (else new tenants arriving together would all follow
+   the quietest replica), so tenants land evenly from their first request and stay, as the SGLang router's tree
+   keeps them. A gateway that sees part of the traffic must not follow its own history, which its peers do not
+   share: a busy tenant's assigned home (policies/tenants.py, a map every gateway computes alike) is taken to hold
+   the anchor instead. Equal costs go to the home, then in the
    rendezvous order of the placement key. Where every candidate's KV events flow, which replicas hold the anchor
    is every gateway's truth: a replica that really holds it keeps the tenant's new conversations as it keeps a
    continuation (only a hot spot moves them), and the assigned home takes them where none does. The key is the
