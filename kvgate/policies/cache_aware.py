@@ -11,33 +11,32 @@ feed the same decision.
    request some replica holds more of than that (a conversation's earlier turns, say) continues where it
    is cheapest: only a hot spot (load over `hot_spot_bound` x the mean) is ruled out, so a replica a few
    requests over the mean keeps a conversation whose re-prefill would cost more than its queue.
-2. Placement: a request no replica holds more of than that goes to the cheapest replica whose share of
-   recent requests is under the bounded-load cap (CHWBL on shares over a few hundred requests,
-   policies/balance.py: noise does not trip it, skewed popularity does), that is no hot spot, with a free
-   seat when one exists. Which replicas hold the anchor by a gateway's own index is the fleet's history where
-   the gateway knows of every request (it is alone, or its peers share their decisions: the fleet snapshot's
-   `partial_view` is false, policies/traffic_view.py): the replica believed to hold most of it is the home, and
-   a tenant nobody holds goes where the fewest recent requests went, a tenant new to the fleet counting there as
-   the requests a typical tenant brings until its own add up (else new tenants arriving together would all follow
-   the quietest replica), so tenants land evenly from their first request and stay, as the SGLang router's tree
-   keeps them. A gateway that sees part of the traffic must not follow its own history, which its peers do not
-   share: a busy tenant's assigned home (policies/tenants.py, a map every gateway computes alike) is taken to hold
-   the anchor instead. Equal costs go to the home, then in the
-   rendezvous order of the placement key. Where every candidate's KV events flow, which replicas hold the anchor
-   is every gateway's truth: a replica that really holds it keeps the tenant's new conversations as it keeps a
-   continuation (only a hot spot moves them), and the assigned home takes them where none does. The key is the
-   chained hash at the end of the anchor (every gateway sends a tenant's new conversations to one home, whatever
-   it has seen) or, without one, `affinity_blocks` blocks past the part every candidate holds (distinct prompts
-   behind a common prefix spread by what follows it), and for a chat no deeper than its first own turn (so its
-   later turns key where the first did, on every gateway). A busy home spills to the next replica in the
-   key's own rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of
-   spraying the fleet. A chat's later turn that looks new to this gateway (several gateways share the traffic,
-   and another placed its earlier turns) is taken to be at its tenant's home, history included, and is routed
-   as a continuation: the share bound does not push it off the replica that holds its history.
-Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the home,
-nobody holding more), "overflow" (load moved it off either; the decision's
-`moved_by` names the filter that ruled that replica out, or "cost" where its queue cost more than the miss),
-"fallback" (every candidate was over its cap: the least loaded).
+2. Placement: a request no replica holds more of than that goes to the cheapest replica whose share of recent
+   requests is under the bounded-load cap (CHWBL on shares over a few hundred requests, policies/balance.py: noise
+   does not trip it, skewed popularity does), that is no hot spot, with a free seat when one exists. Which replicas
+   hold the anchor by a gateway's own index is the fleet's history where the gateway knows of every request (it is
+   alone, or its peers share their decisions: the fleet snapshot's `partial_view` is false,
+   policies/traffic_view.py): the replica believed to hold most of it is the home, and a tenant nobody holds goes
+   where the fewest recent requests went, a tenant new to the fleet counting there as the requests a typical tenant
+   brings until its own add up (else new tenants arriving together would all follow the quietest replica), so tenants
+   land evenly from their first request and stay, as the SGLang router's tree keeps them. A gateway that sees part of
+   the traffic must not follow its own history, which its peers do not share: a busy tenant's assigned home
+   (policies/tenants.py, a map every gateway computes alike) is taken to hold the anchor instead. Equal costs go to
+   the home, then in the rendezvous order of the placement key. Where every candidate's KV events flow, which
+   replicas hold the anchor is every gateway's truth: a replica that really holds it keeps the tenant's new
+   conversations as it keeps a continuation (only a hot spot moves them), and the assigned home takes them where none
+   does. The key is the chained hash at the end of the anchor (every gateway sends a tenant's new conversations to
+   one home, whatever it has seen) or, without one, `affinity_blocks` blocks past the part every candidate holds
+   (distinct prompts behind a common prefix spread by what follows it), and for a chat no deeper than its first own
+   turn (so its later turns key where the first did, on every gateway). A busy home spills to the next replica in the
+   key's own rendezvous order, which then holds it too: overflow concentrates on a few replicas instead of spraying
+   the fleet. A chat's later turn that looks new to this gateway (several gateways share the traffic, and another
+   placed its earlier turns) is taken to be at its tenant's home, history included, and is routed as a continuation:
+   the share bound does not push it off the replica that holds its history.
+Reasons: "prefix_hit" (the chosen replica holds the most, and more than some other), "cold" (the home, nobody
+holding more), "overflow" (load moved it off either; the decision's `moved_by` names the filter that ruled that
+replica out, or "cost" where its queue cost more than the miss), "fallback" (every candidate was over its cap: the
+least loaded).
 
 Where a replica's KV events flow (a PrecisePrefixIndex that knows its state) its match is the truth: the
 leading prompt tokens it really holds; elsewhere, the approximate index's belief, in tokens.

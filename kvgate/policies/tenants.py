@@ -93,10 +93,9 @@ class TenantPlacement:
         self._tick = 0
         self._window = 1  # the share bound's window (policies/balance.py), as the policy last gave it
         self._weights: dict[int, float] = {}
-        self._homes: dict[int, str] = {}
+        self._homes: dict[int, str] | None = None  # assigned from the weights when first asked after a weighing
         self._replicas: tuple[str, ...] = ()
-        self._refreshed_at = 0
-        self._assigned_at = -1  # the weighing the map was last assigned from
+        self._weighed_at = 0
         self.unit = 0.0  # the mean light tenant's decayed requests at the last weighing (0 while none is busy)
 
     def observe(self, key: int, window: int) -> None:
@@ -107,7 +106,7 @@ class TenantPlacement:
         if len(self._counts) > 2 * MAX_TRACKED:
             busiest = sorted(self._counts, key=self._count, reverse=True)[:MAX_TRACKED]
             self._counts = {key: self._counts[key] for key in busiest}
-        if self._tick - self._refreshed_at >= self._window / REFRESH_SHARE:
+        if self._tick - self._weighed_at >= self._window / REFRESH_SHARE:
             self._reweigh()
 
     def is_new(self, key: int) -> bool:
@@ -117,9 +116,8 @@ class TenantPlacement:
     def home(self, key: int, candidates: Sequence[EndpointState]) -> str | None:
         """The replica the key is assigned to among the candidates; None for a key that is no busy tenant."""
         replicas = tuple(sorted(state.key for state in candidates))
-        if replicas != self._replicas or self._assigned_at != self._refreshed_at:
-            self._replicas, self._assigned_at = replicas, self._refreshed_at
-            self._homes = assign(self._weights, replicas) if replicas else {}
+        if self._homes is None or replicas != self._replicas:
+            self._replicas, self._homes = replicas, assign(self._weights, replicas) if replicas else {}
         return self._homes.get(key)
 
     def _count(self, key: int) -> float:
@@ -129,7 +127,7 @@ class TenantPlacement:
     def _reweigh(self) -> None:
         """Weigh the busy keys again: every few dozen requests observed, so gateways that observe the same requests
         (their own and their peers') weigh alike at the same moments."""
-        self._refreshed_at = self._tick
+        self._weighed_at, self._homes = self._tick, None
         busy = {key: count for key in self._counts if (count := self._count(key)) >= BUSY}
         if len(busy) > MAX_TENANTS:
             busy = dict(sorted(busy.items(), key=lambda item: (-item[1], item[0]))[:MAX_TENANTS])
