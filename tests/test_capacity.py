@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, first_to_fill, has_room,
-                                      kv_room, kv_seats, kv_slots, occupied, peer_seats, room_for, seat_to_free)
+                                      kv_room, kv_seats, kv_slots, kv_usage, occupied, peer_seats, room_for,
+                                      seat_to_free)
 from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
 
@@ -40,6 +41,20 @@ def test_a_full_kv_cache_leaves_no_room_whatever_the_seats() -> None:
     full = EndpointState(Endpoint("a", "http://a:8000"), seats=8,
                          metrics=ReplicaMetrics(running=1, kv_cache_usage=0.9, scraped_at=1.0, stale=False))
     assert room_for([full], SaturationThresholds(kv_cache=0.8), ClassStanding()) == 0
+
+
+def test_a_full_kv_cache_has_room_once_a_request_it_ran_finished_since_the_scrape() -> None:
+    # 4 running hold 0.9 of the cache; one finished since the scrape freed about a quarter of that.
+    def scraped_full(recent: int) -> EndpointState:
+        metrics = ReplicaMetrics(running=4, kv_cache_usage=0.9, scraped_at=1.0, stale=False)
+        return EndpointState(Endpoint("a", "http://a:8000"), seats=8, metrics=metrics, recent=recent)
+
+    limits = SaturationThresholds(kv_cache=0.8)
+    assert kv_usage(scraped_full(0)) == 0.9
+    assert kv_usage(scraped_full(-1)) == 0.9 * 3 / 4
+    assert kv_usage(scraped_full(2)) == 0.9  # sent since: the queue and seat estimates count them
+    assert room_for([scraped_full(0)], limits, ClassStanding()) == 0
+    assert room_for([scraped_full(-1)], limits, ClassStanding()) >= 1
 
 
 def test_seats_learned_under_a_full_kv_cache_are_not_seats() -> None:

@@ -70,6 +70,18 @@ def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int |
     return max(0, metrics.waiting + unseen(state))
 
 
+def kv_usage(state: EndpointState) -> float:
+    """The replica's KV cache use now, as far as its last scrape tells: the scraped share, less what the requests
+    that finished since held when more finished than were sent (the running ones' mean: vLLM frees a finished
+    request's blocks at once, its cached ones included), so that a replica a scrape showed full takes the next
+    request as soon as one of its own ends, not a scrape later. Requests sent since add nothing here: the queue
+    and seat estimates count them."""
+    metrics = state.metrics
+    if state.recent >= 0 or metrics.running <= 0:
+        return metrics.kv_cache_usage
+    return max(0.0, metrics.kv_cache_usage * (1.0 + state.recent / metrics.running))
+
+
 def full_at(metrics: ReplicaMetrics) -> int | None:
     """What a replica runs when its last fresh scrape shows a queue: vLLM schedules before it sets its gauges, so a
     request still waiting then found no seat, KV room or token budget free; None when the scrape shows no queue."""
@@ -95,9 +107,9 @@ def free_seats(state: EndpointState) -> int | None:
 def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, yields: bool = False) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
-    Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since. Stale metrics
-    (a replica too busy to answer /metrics, say) count only what was sent since the last good scrape: a
-    failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
+    Fresh metrics: the scraped queue and KV cache use (kv_usage), moved by what the gateway sent and saw finish
+    since. Stale metrics (a replica too busy to answer /metrics, say) count only what was sent since the last good
+    scrape: a failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
     replica never scraped fails open. With the replica's seats known, requests beyond its seats and
     `seated_queue` wait in kvgate's queue, which orders them by priority and hands each the first seat that
     frees up anywhere, instead of in the replica's own queue. `probe` False keeps a request from being the one
@@ -116,7 +128,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     if not seats and not probe:
         seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
-        if not metrics.stale and metrics.kv_cache_usage >= limits.kv_cache:
+        if not metrics.stale and kv_usage(state) >= limits.kv_cache:
             return 0.0
         if limits.queue:
             waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, not probe, seats)
