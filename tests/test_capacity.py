@@ -43,8 +43,9 @@ def test_a_full_kv_cache_leaves_no_room_whatever_the_seats() -> None:
     assert room_for([full], SaturationThresholds(kv_cache=0.8), ClassStanding()) == 0
 
 
-def test_a_full_kv_cache_has_room_once_a_request_it_ran_finished_since_the_scrape() -> None:
-    # 4 running hold 0.9 of the cache; one finished since the scrape freed about a quarter of that.
+def test_a_full_kv_cache_has_room_for_a_class_among_others_once_a_request_it_ran_finished_since_the_scrape() -> None:
+    # 4 running hold 0.9 of the cache; one finished since the scrape freed about a quarter of that. A class alone
+    # waits for the next scrape instead, which shows every replica's room.
     def scraped_full(recent: int) -> EndpointState:
         metrics = ReplicaMetrics(running=4, kv_cache_usage=0.9, scraped_at=1.0, stale=False)
         return EndpointState(Endpoint("a", "http://a:8000"), seats=8, metrics=metrics, recent=recent)
@@ -53,8 +54,10 @@ def test_a_full_kv_cache_has_room_once_a_request_it_ran_finished_since_the_scrap
     assert kv_usage(scraped_full(0)) == 0.9
     assert kv_usage(scraped_full(-1)) == 0.9 * 3 / 4
     assert kv_usage(scraped_full(2)) == 0.9  # sent since: the queue and seat estimates count them
-    assert room_for([scraped_full(0)], limits, ClassStanding()) == 0
-    assert room_for([scraped_full(-1)], limits, ClassStanding()) >= 1
+    among_others = ClassStanding(alone=False)
+    assert room_for([scraped_full(0)], limits, among_others) == 0
+    assert room_for([scraped_full(-1)], limits, among_others) >= 1
+    assert room_for([scraped_full(-1)], limits, ClassStanding()) == 0
 
 
 def test_seats_learned_under_a_full_kv_cache_are_not_seats() -> None:

@@ -107,9 +107,12 @@ def free_seats(state: EndpointState) -> int | None:
 def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, yields: bool = False) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
-    Fresh metrics: the scraped queue and KV cache use (kv_usage), moved by what the gateway sent and saw finish
-    since. Stale metrics (a replica too busy to answer /metrics, say) count only what was sent since the last good
-    scrape: a failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
+    Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since, and so the KV cache use
+    (kv_usage) where `probe` is False, that is while another class has traffic. A class alone waits for a scrape
+    to show a full cache's room: released when one request ends anywhere, it would go where that one ended rather
+    than where its context is (on real engines, that moved requests off the engine holding their context). Stale
+    metrics (a replica too busy to answer /metrics, say) count only what was sent since the last good scrape: a
+    failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
     replica never scraped fails open. With the replica's seats known, requests beyond its seats and
     `seated_queue` wait in kvgate's queue, which orders them by priority and hands each the first seat that
     frees up anywhere, instead of in the replica's own queue. `probe` False keeps a request from being the one
@@ -128,7 +131,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     if not seats and not probe:
         seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
-        if not metrics.stale and kv_usage(state) >= limits.kv_cache:
+        if not metrics.stale and (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache:
             return 0.0
         if limits.queue:
             waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, not probe, seats)
