@@ -109,8 +109,8 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
 
     Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since, and so the KV cache use
     (kv_usage) where `probe` is False, that is while another class has traffic. A class alone waits for a scrape
-    to show a full cache's room: released when one request ends anywhere, it would go where that one ended rather
-    than where its context is (on real engines, that moved requests off the engine holding their context). Stale
+    to show a full cache's room: released when one request ends anywhere, it may go where that one ended rather
+    than where its context is (on real engines a class alone hit less when released so; docs/benchmarks.md). Stale
     metrics (a replica too busy to answer /metrics, say) count only what was sent since the last good scrape: a
     failed scrape neither releases the whole queue at once nor blocks the replica on an old reading. A
     replica never scraped fails open. With the replica's seats known, requests beyond its seats and
