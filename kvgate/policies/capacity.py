@@ -74,12 +74,12 @@ def kv_usage(state: EndpointState) -> float:
     """The replica's KV cache use now, as far as its last scrape tells: the scraped share, less what the requests
     that finished since held when more finished than were sent (the running ones' mean: vLLM frees a finished
     request's blocks at once, its cached ones included), so that a replica a scrape showed full takes the next
-    request as soon as one of its own ends, not a scrape later. Requests sent since add nothing here: the queue
-    and seat estimates count them."""
-    metrics = state.metrics
-    if state.recent >= 0 or metrics.running <= 0:
+    request as soon as one of its own ends, not a scrape later (what the page does not show yet is unseen()'s).
+    Requests sent since add nothing here: the queue and seat estimates count them."""
+    metrics, since = state.metrics, unseen(state)
+    if since >= 0 or metrics.running <= 0:
         return metrics.kv_cache_usage
-    return max(0.0, metrics.kv_cache_usage * (1.0 + state.recent / metrics.running))
+    return max(0.0, metrics.kv_cache_usage * (1.0 + since / metrics.running))
 
 
 def full_at(metrics: ReplicaMetrics) -> int | None:
