@@ -244,6 +244,22 @@ def test_the_tokenized_kv_bound_fleet_holds_fewer_prompts_than_four_characters_a
     assert cache // tokens < sim.max_num_seqs <= cache // estimate  # the cache binds; at 4 a token, the seats would
 
 
+def test_the_chat_fleets_requests_share_more_system_prompts_than_a_replicas_cache_holds() -> None:
+    flags = dict(rows=None, duration=None, unloaded_duration=None, capacity_duration=None, replicas=None,
+                 capacity=None, quick=False, fleet="kv-bound-chat")
+    plan = plan_from(argparse.Namespace(**flags, seed=5))
+    bodies = [orjson.loads(plan.body_for(Arrival(index, 0.0, INTERACTIVE))) for index in range(400)]
+    systems = [body["messages"][0]["content"] for body in bodies]
+    assert all(body["messages"][0]["role"] == "system" for body in bodies)
+    assert len(set(systems)) == plan.tenants == 24  # every tenant drawn, each prompt shared by many requests
+    assert len({body["messages"][1]["content"] for body in bodies}) == 400  # each question its own
+    reseeded = plan_from(argparse.Namespace(**flags, seed=6))
+    assert [reseeded.system_prompt_of(index) for index in range(400)] != systems
+    cache_tokens = plan.sim.num_gpu_blocks * plan.sim.block_size
+    assert 1 < cache_tokens // (plan.system_prompt_chars / 4) < plan.tenants / plan.replicas  # caches under pressure
+    assert plan_from(argparse.Namespace(**{**flags, "fleet": "kv-bound"}, seed=5)).system_prompt_of(0) == ""
+
+
 def test_a_burst_through_kvgate_answers_every_stream(tmp_path: Path) -> None:
     result = run_bench("burst", "--quick", "--out", str(tmp_path), timeout=90)
     assert result.returncode == 0, result.stderr[-2000:]

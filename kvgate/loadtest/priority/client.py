@@ -59,11 +59,15 @@ def output_tokens_max(mean: int) -> int:
     return mean + mean // 2
 
 
-def request_body(model: str, index: int, prompt_words: int, max_tokens: int, stream: bool = True) -> bytes:
-    """A chat completion of `output_tokens(index, max_tokens)` tokens, its prompt unlike others' from the first word."""
+def request_body(model: str, index: int, prompt_words: int, max_tokens: int, stream: bool = True,
+                 system: str = "") -> bytes:
+    """A chat completion of `output_tokens(index, max_tokens)` tokens whose user message is unlike others' from its
+    first word, after the `system` prompt it shares with other requests (none when empty)."""
     words = " ".join(_PROMPT_WORDS[(index + i) % len(_PROMPT_WORDS)] for i in range(prompt_words))
-    return orjson.dumps({"model": model, "messages": [{"role": "user", "content": f"request {index}: {words}"}],
-                         "max_tokens": output_tokens(index, max_tokens), "stream": stream})
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": f"request {index}: {words}"})
+    return orjson.dumps({"model": model, "messages": messages, "max_tokens": output_tokens(index, max_tokens),
+                         "stream": stream})
 
 
 class Outcome(enum.StrEnum):

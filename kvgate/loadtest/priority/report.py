@@ -177,7 +177,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"the load generator share them (1-minute load average before/after: {meta['loadavg_1m'][0]}/"
         f"{meta['loadavg_1m'][1]}). Fleet: {fleet}; every request is a chat completion of "
         f"{plan['max_tokens'] // 2} to {plan['max_tokens'] * 3 // 2} tokens (uniform, mean {plan['max_tokens']}) "
-        "with its own prompt (no prefix reuse); interactive requests stream, batch requests read whole answers "
+        f"{_prompts(plan)}; interactive requests stream, batch requests read whole answers "
         "as batch jobs do (streamed in row f).",
         "",
         (f"Capacity: {capacity['measured_rps']} req/s measured (closed loop, {2 * capacity['seats']} requests "
@@ -213,6 +213,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     if alone := _without_batch_note(report, base):
         lines.append(alone)
     return "\n".join(lines) + "\n"
+
+
+def _prompts(plan: dict[str, Any]) -> str:
+    """What the requests' prompts share: nothing, or their tenants' system prompts."""
+    if not plan.get("tenants"):
+        return "with its own prompt (no prefix reuse)"
+    return (f"whose prompt opens with the system prompt of one of {plan['tenants']} tenants (about "
+            f"{plan['system_prompt_chars']} characters each, the tenant drawn at random per request, both classes "
+            f"alike) and ends in its own question of {plan['prompt_words']} words")
 
 
 def _without_batch_note(report: dict[str, Any], base: float) -> str:

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import functools
 import math
+import random
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from kvgate.loadtest.priority.client import (
     run_open_loop,
 )
 from kvgate.loadtest.priority.report import QueueSamples, RunResult, render_markdown, summarise, verdict
+from kvgate.loadtest.routing.workload import system_prompt
 from kvgate.simulator import SimOptions
 
 # Thresholds no fleet reaches: every request goes straight through, first come first served at the replicas.
@@ -122,6 +124,11 @@ class Plan:
     # interactive requests each timed run sends at least: a run whose interactive rate is low lasts longer than its
     # preset, so that its TTFT p99 is not merely its slowest request (one of 27 in a 30 s unloaded run of 1 req/s)
     min_interactive: int = 0
+    # > 0: each request's prompt opens with the system prompt of one of this many tenants (of
+    # system_prompt_chars, picked at random per request), which replicas cache and share, as chat traffic does;
+    # 0: every prompt is its own from its first word
+    tenants: int = 0
+    system_prompt_chars: int = 0
 
     def sized_for(self, capacity: float) -> Plan:
         """This plan at a capacity of `capacity` req/s: the unloaded and overload runs lengthened until each sends
@@ -168,7 +175,16 @@ class Plan:
     def body_for(self, arrival: Arrival, batch_stream: bool = False) -> bytes:
         """The body of one request: interactive ones stream, batch ones read whole answers unless `batch_stream`."""
         stream = arrival.priority == INTERACTIVE or batch_stream
-        return request_body(self.sim.models[0], arrival.index, self.prompt_words, self.max_tokens, stream)
+        return request_body(self.sim.models[0], arrival.index, self.prompt_words, self.max_tokens, stream,
+                            self.system_prompt_of(arrival.index))
+
+    def system_prompt_of(self, index: int) -> str:
+        """The system prompt request `index` opens with: that of a tenant drawn for it (per index and seed); none
+        without tenants."""
+        if not self.tenants:
+            return ""
+        return system_prompt(random.Random(f"tenant-{self.seed}-{index}").randrange(self.tenants),
+                             self.system_prompt_chars)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as plain JSON."""
@@ -182,14 +198,17 @@ FULL = Plan(replicas=3, sim=SIM, max_tokens=32, prompt_words=48, capacity_s=8,
             unloaded_s=30, overload_s=60, rows=("a", "b", "c", "d", "e", "f", "g", "h", "i"), min_interactive=200)
 # Fleets whose binding limit differs (--fleet): seats; the KV cache (prompts of ~1,500 tokens, 500 blocks of 16
 # tokens per replica: about 5 sequences fit in 8 seats); compute (256 seats, each running sequence slows a step).
+_KV_BOUND = SimOptions(max_num_seqs=8, num_gpu_blocks=500, max_model_len=4096, decode_step_seconds=0.05,
+                       default_max_tokens=32)
 FLEETS = {
     "seats32": {},
-    "kv-bound": {"sim": SimOptions(max_num_seqs=8, num_gpu_blocks=500, max_model_len=4096, decode_step_seconds=0.05,
-                                   default_max_tokens=32), "prompt_words": 1000, "rows": ("b", "g", "h", "i")},
+    "kv-bound": {"sim": _KV_BOUND, "prompt_words": 1000, "rows": ("b", "g", "h", "i")},
     # The same cache, prompts of ~1,750 tokens that kvgate would take for ~950 at 4 characters a token.
-    "kv-bound-tokenized": {"sim": SimOptions(max_num_seqs=8, num_gpu_blocks=500, max_model_len=4096,
-                                             decode_step_seconds=0.05, default_max_tokens=32),
-                           "prompt_words": 600, "rows": ("b", "g", "h", "i"), "tokenized": True},
+    "kv-bound-tokenized": {"sim": _KV_BOUND, "prompt_words": 600, "rows": ("b", "g", "h", "i"), "tokenized": True},
+    # The same cache, chat traffic as issue 16 describes it: 24 tenants' ~1,600-token system prompts (a replica's
+    # cache holds about four), each request one of them and its own question of ~75 tokens.
+    "kv-bound-chat": {"sim": _KV_BOUND, "prompt_words": 50, "tenants": 24, "system_prompt_chars": 6400,
+                      "rows": ("b", "g", "h", "i")},
     "seats256": {"sim": SimOptions(max_num_seqs=256, num_gpu_blocks=4096, decode_step_seconds=0.02,
                                    decode_seconds_per_seq=0.0004, default_max_tokens=32), "rows": ("b", "g", "h", "i")},
     # Two real engines of 8 seats, the tiny model with dummy weights; row a: their queues ordered by vLLM's priority.
@@ -309,7 +328,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, help="simulated replicas")
     parser.add_argument("--fleet", choices=sorted(FLEETS), default="seats32",
                         help="the fleet's binding limit: seats (32 each), the KV cache (kv-bound-tokenized: engines "
-                             "that tokenize at about 2.2 characters a token), or compute (256 seats); or 2 real vLLM "
+                             "that tokenize at about 2.2 characters a token; kv-bound-chat: prompts that open with one "
+                             "of 24 tenants' system prompts), or compute (256 seats); or 2 real vLLM "
                              "engines of 8 seats (needs $KVGATE_VLLM_PYTHON, ./dev real sets it up)")
 
 
