@@ -11,11 +11,13 @@ import pytest
 
 from kvgate.simulator import SimFleet, SimOptions
 from kvgate.policies.capacity import ClassStanding
+from kvgate.policies.prefix_keys import build_request_info
 from kvgate.policies.priorities import PriorityConfig
 from kvgate.router.priority_headers import PriorityError, classify
 from kvgate.policies.types import RequestInfo
 from kvgate.router.admission import AdmissionConfig, AdmissionQueue
 from kvgate.router.errors import GatewayError
+from kvgate.router.fair_queue import FairQueue
 from kvgate.router.metrics import GatewayMetrics
 from tests.harness import running_gateway, wait_until
 
@@ -315,3 +317,103 @@ async def test_the_minimum_share_of_batch_may_use_the_reserve() -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Held:
+    """Which requests a replica with room holds the prompt of (by their first block hash), and who was asked."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held = held
+        self.asked: list[int] = []
+
+    def __call__(self, request: RequestInfo, standing: ClassStanding) -> bool:
+        self.asked.append(request.block_hashes[0])
+        return request.block_hashes[0] in self.held
+
+
+def looking_ahead(room: Room, held: Held, now: list[float], **bounds) -> AdmissionQueue:
+    config = AdmissionConfig(min_share=0, reserve={}, **bounds)
+    return AdmissionQueue(config, PriorityConfig(), room, GatewayMetrics(), clock=lambda: now[0], held_with_room=held)
+
+
+async def admitted_at_once(queue: AdmissionQueue, room: Room, cls: str) -> None:
+    """One request of `cls` through a fleet with room, which is full after it."""
+    room.free = 1
+    await asyncio.wait_for(admit(queue, info(cls, 100)), 1)
+    room.free = 0
+
+
+async def release_all(queue: AdmissionQueue, room: Room, count: int) -> None:
+    room.free = 1
+    for _ in range(count):
+        queue.release("m")
+        await asyncio.sleep(0)
+
+
+async def test_a_class_that_yields_releases_first_the_requests_held_where_there_is_room() -> None:
+    now, room, held = [0.0], Room(0), Held({2, 4})
+    queue = looking_ahead(room, held, now, lookahead=4)
+    await admitted_at_once(queue, room, "interactive")  # interactive has traffic: batch yields
+    order: list[int] = []
+    tasks = await admit_all(queue, [info("batch", n) for n in range(6)], order)
+    await release_all(queue, room, 6)
+    await asyncio.gather(*tasks)
+    assert order == [2, 4, 0, 1, 3, 5]  # 2 and 4 were held where room opened: they went ahead of 0, 1 and 3
+    assert 5 not in held.asked[:4]  # only the next four are looked at
+
+
+async def test_a_request_passed_over_lookahead_times_goes_next() -> None:
+    now, room, held = [0.0], Room(0), Held({1, 2, 3, 4})
+    queue = looking_ahead(room, held, now, lookahead=2)
+    await admitted_at_once(queue, room, "interactive")
+    order: list[int] = []
+    tasks = await admit_all(queue, [info("batch", n) for n in range(5)], order)
+    await release_all(queue, room, 5)
+    await asyncio.gather(*tasks)
+    assert order == [1, 2, 0, 3, 4]  # 0, held nowhere with room, waited two releases longer than its turn
+
+
+async def test_a_class_alone_and_the_most_important_class_go_strictly_in_turn() -> None:
+    for first, cls in ((None, "batch"), ("batch", "interactive")):
+        now, room, held = [0.0], Room(0), Held({1, 2})
+        queue = looking_ahead(room, held, now)
+        if first:
+            await admitted_at_once(queue, room, first)
+        order: list[int] = []
+        tasks = await admit_all(queue, [info(cls, n) for n in range(3)], order)
+        await release_all(queue, room, 3)
+        await asyncio.gather(*tasks)
+        assert order == [0, 1, 2] and held.asked == []
+
+
+def test_the_requests_ahead_are_in_the_order_flows_take_turns_and_one_taken_uses_its_flows_turn() -> None:
+    queue: FairQueue[RequestInfo] = FairQueue(lambda request: request.flow)
+    for flow, n in (("a", 0), ("a", 1), ("a", 2), ("b", 10), ("c", 20), ("c", 21)):
+        queue.append(flow_info(flow, n))
+    assert [r.block_hashes[0] for r in queue.ahead(5)] == [0, 10, 20, 1, 21]
+    queue.take(next(r for r in queue if r.block_hashes[0] == 10))  # b's turn is used: a, then c, go next
+    assert [queue.popleft().block_hashes[0] for _ in range(5)] == [0, 20, 1, 21, 2]
+
+
+async def test_the_gateway_finds_a_prompt_held_with_room_only_where_it_sent_that_prompt() -> None:
+    fleet = await SimFleet.start([0, 0], SimOptions(speed=4.0, default_max_tokens=2))
+    try:
+        # Seats configured: while they are unknown, a class that yields grows one replica at a time (first_to_fill).
+        async with running_gateway(endpoints=fleet.urls, scrape_interval=0.05, scrape_timeout=0.04,
+                                   saturation={"seats": 8}) as gw, aiohttp.ClientSession() as client:
+            await wait_until(lambda: not any(gw.gateway.scraper.metrics(url).stale for url in fleet.urls))
+
+            def chat(tenant: str, question: str) -> dict[str, Any]:
+                system = f"You are the assistant of tenant {tenant}. Answer from the handbook. " * 30
+                return {"model": MODEL, "max_tokens": 2, "messages": [{"role": "system", "content": system},
+                                                                      {"role": "user", "content": question}]}
+
+            async with client.post(gw.url + "/v1/chat/completions", json=chat("one", "first")) as resp:
+                assert resp.status == 200, await resp.text()
+            routing, standing = gw.gateway.config.routing, ClassStanding(yields=True, alone=False)
+            assert gw.gateway._held_with_room(build_request_info("chat", chat("one", "second"), "batch", routing),
+                                              standing)
+            assert not gw.gateway._held_with_room(build_request_info("chat", chat("two", "first"), "batch", routing),
+                                                  standing)
+    finally:
+        await fleet.stop()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, first_to_fill, has_room,
                                       kv_room, kv_seats, kv_slots, kv_usage, occupied, peer_seats, room_for,
-                                      seat_to_free)
+                                      seat_to_free, with_room)
 from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
 
@@ -243,6 +243,19 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full
     # Requests released together decide on one scrape: a replica with blocks for two takes two, not its queue's five.
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 2
+
+
+def test_the_replicas_with_room_are_those_a_request_of_the_class_fits() -> None:
+    def cache(key: str, usage: float) -> EndpointState:  # 500 blocks of 16 tokens, 5 running
+        metrics = ReplicaMetrics(running=5, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500, scraped_at=1.0,
+                                 stale=False)
+        return EndpointState(Endpoint(key, f"http://{key}:8000"), seats=8, metrics=metrics)
+
+    fleet, limits, tokens = [cache("a", 0.82), cache("b", 0.5), cache("c", 0.1)], SaturationThresholds(), 1200
+    assert with_room(fleet, limits, ClassStanding(yields=True, alone=False), tokens) == {"b", "c"}
+    assert with_room(fleet, limits, ClassStanding(alone=False), 4000) == {"c"}  # 4,000 tokens fit only in c
+    assert with_room(fleet, limits, ClassStanding(alone=False), 4000) == {
+        state.key for state in fleet if has_room(state, limits, ClassStanding(alone=False), 4000)}
 
 
 def test_requests_sent_since_a_scrape_wait_behind_the_kv_blocks_it_showed_free() -> None:

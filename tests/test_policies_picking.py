@@ -451,6 +451,19 @@ def test_matched_tokens_from_any_index_rank_the_same_way() -> None:
     assert [s.key for s in picker.rank(cycle, candidates)] == [KEYS[2], KEYS[1], KEYS[0]]
 
 
+def test_holders_are_the_replicas_holding_more_of_a_prompt_than_the_least() -> None:
+    policy = build_policy("cache-aware", CONFIG)
+    candidates = [state(key) for key in KEYS[:3]]
+    req = request(prompt("a", blocks=20))
+    assert policy.holders(req, candidates, 0.0) == frozenset()  # nobody holds it
+    policy.record(req, candidates[1])
+    assert policy.holders(req, candidates, 0.0) == {KEYS[1]}
+    for other in candidates:
+        policy.record(req, other)
+    assert policy.holders(req, candidates, 0.0) == frozenset()  # held everywhere: nowhere more than the least
+    assert build_policy("round-robin", CONFIG).holders(req, candidates, 0.0) == frozenset()  # no index
+
+
 def test_balance_window_keeps_share_noise_well_inside_the_bound() -> None:
     assert balance_window(3, 1.25) == 288
     assert balance_window(8, 1.25) == 1008

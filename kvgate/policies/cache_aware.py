@@ -44,6 +44,7 @@ leading prompt tokens it really holds; elsewhere, the approximate index's belief
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvgate.endpoints.types import EndpointState, FleetSnapshot
@@ -90,7 +91,15 @@ class CacheAwarePolicy:
         self.index = PrefixIndex(config.index_max_total_blocks)
         self.precise = precise
 
-    def matched_tokens(self, request: RequestInfo, candidates: tuple[EndpointState, ...],
+    def holders(self, request: RequestInfo, candidates: Sequence[EndpointState], now: float) -> frozenset[str]:
+        """The candidates that hold more of `request`'s prompt than the least of them (matched_tokens)."""
+        if not candidates:
+            return frozenset()
+        matched, _ = self.matched_tokens(request, candidates, now)
+        least = min(matched.values())
+        return frozenset(key for key, tokens in matched.items() if tokens > least)
+
+    def matched_tokens(self, request: RequestInfo, candidates: Sequence[EndpointState],
                        now: float = 0.0) -> tuple[dict[str, int], bool]:
         """Per candidate, the leading prompt tokens it holds: precise where its KV events flow, believed elsewhere;
         and whether the events told them all."""

@@ -190,6 +190,13 @@ def has_room(state: EndpointState, limits: SaturationThresholds, standing: Class
     return _room_on(state, limits, standing.probes, standing.yields, tokens, first) >= 1
 
 
+def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
+              tokens: int = 0) -> frozenset[str]:
+    """The keys of the candidates that take one more request of a class so standing (has_room)."""
+    first = first_to_fill(candidates) if standing.yields else None
+    return frozenset(state.key for state in candidates if has_room(state, limits, standing, tokens, first))
+
+
 def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
     """While no candidate's seats are known (likely_seats), the one replica a class that yields fills: the first
     by key of those whose metrics are fresh and that have not been full yet (`EndpointState.filled`); None once a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvgate.endpoints.types import EndpointState, FleetSnapshot
 from kvgate.policies.types import RequestInfo
 
@@ -17,6 +19,10 @@ class NoPrefixIndex:
 
     def forget(self, endpoint_key: str) -> None:
         """Nothing to drop."""
+
+    def holders(self, request: RequestInfo, candidates: Sequence[EndpointState], now: float) -> frozenset[str]:
+        """No prefix index: no replica is known to hold a prompt."""
+        return frozenset()
 
     def index_sizes(self) -> dict[str, int]:
         """No prefix index."""

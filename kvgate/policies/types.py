@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +71,10 @@ class Policy(Protocol):
 
     def forget(self, endpoint_key: str) -> None:
         """Drop all state about an endpoint that left the fleet."""
+        ...
+
+    def holders(self, request: RequestInfo, candidates: Sequence[EndpointState], now: float) -> frozenset[str]:
+        """The candidates that hold more of `request`'s prompt than the least of them; empty without an index."""
         ...
 
     def index_sizes(self) -> dict[str, int]:

@@ -11,6 +11,11 @@ preempted (router/preemption.py) keeps no reserve: when a more important request
 such request gives up its own and waits here again, at the head of its class. Lower classes get a minimum
 share of dispatches so they are never starved; under overflow the newest request of the least important
 class is shed first, with 429 and Retry-After.
+
+A class that yields to a more important one waits for throughput, not for its turn: of its next few waiting
+requests, the first that a replica with room for it holds the prompt of goes first (`held_with_room`), so that
+a prefix a replica caches is not prefilled again wherever room opened first. A request passed over that often
+goes next, so none waits more than a few releases longer than its turn.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ class AdmissionConfig:
     reserve_idle_s: float = 10.0  # a class's reserve is lifted after this long without a more important request
     preemptible: tuple[str, ...] = ("batch",)  # classes whose non-streamed requests may give up their seat
     max_preemptions: int = 3  # times one request may be preempted; after that it keeps its seat
+    # requests of a class that yields that may go ahead of its next one because a replica with room holds their
+    # prompt; its next one goes once passed over this often (0: strictly in turn)
+    lookahead: int = 16
 
 
 @dataclass(eq=False)
@@ -57,6 +65,7 @@ class _Waiter:
     enqueued: float
     future: asyncio.Future[None]
     preemptible: bool = False
+    passed_over: int = 0  # times a request behind it went first (AdmissionConfig.lookahead)
 
 
 def _flow(waiter: _Waiter) -> str:
@@ -72,10 +81,13 @@ class AdmissionQueue:
 
     def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
                  room: Callable[[RequestInfo, ClassStanding], float], metrics: GatewayMetrics,
-                 preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic,
+                 held_with_room: Callable[[RequestInfo, ClassStanding], bool] | None = None) -> None:
         self._config = config
         self._classes = priorities.classes
         self._room = room  # (a request, its class's standing) -> requests like it the fleet takes now
+        # (a request, its class's standing) -> whether a replica with room for it holds its prompt
+        self._held_with_room = held_with_room
         self._metrics = metrics
         self._preemption = preemption
         self._clock = clock
@@ -263,12 +275,27 @@ class AdmissionQueue:
             if rank is None:
                 self._preempt_for(model)
                 return
-            waiter = queues[rank].popleft()
+            waiter = self._next_of(model, queues[rank], rank)
             self._forget(model, waiter)
             if waiter.future.done():
                 continue  # cancelled in this loop turn: its client left, and it no longer needs a place
             self._pending[model] += 1
             waiter.future.set_result(None)
+
+    def _next_of(self, model: str, queue: FairQueue[_Waiter], rank: int) -> _Waiter:
+        """Take the request of class `rank` to release: its next in turn, unless the class yields to a more important
+        one and a request among its next `lookahead` is held where there is room for it (the first such), while its
+        next in turn has been passed over fewer than `lookahead` times."""
+        head, lookahead = queue.peek(), self._config.lookahead
+        if (self._held_with_room is None or head.passed_over >= lookahead or not self._yields(model, rank)
+                or self._held_with_room(head.info, self._standing(model, rank, head.preemptible))):
+            return queue.popleft()
+        for waiter in queue.ahead(lookahead)[1:]:
+            if self._held_with_room(waiter.info, self._standing(model, rank, waiter.preemptible)):
+                head.passed_over += 1
+                queue.take(waiter)
+                return waiter
+        return queue.popleft()
 
     def _next_rank(self, model: str, queues: list[FairQueue[_Waiter]]) -> int | None:
         """The class to dispatch from next, None while there is no room.

@@ -352,6 +352,8 @@ def _validate_priorities(config: GatewayConfig) -> None:
         raise ConfigError(f"admission.preemptible: names unknown class(es) {', '.join(map(repr, unknown))}")
     if admission.max_preemptions < 0:
         raise ConfigError(f"admission.max_preemptions: must not be negative, got {admission.max_preemptions}")
+    if admission.lookahead < 0:
+        raise ConfigError(f"admission.lookahead: must not be negative, got {admission.lookahead}")
     if admission.reserve_idle_s < 0:
         raise ConfigError(f"admission.reserve_idle_s: must not be negative, got {admission.reserve_idle_s}")
 

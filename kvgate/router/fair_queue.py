@@ -60,6 +60,25 @@ class FairQueue(Generic[W]):
         self._count -= 1
         return waiter
 
+    def ahead(self, count: int) -> list[W]:
+        """The first `count` waiters in the order popleft() would take them, were nothing queued meanwhile."""
+        flows, found = list(self._flows.values()), []
+        for depth in range(count):
+            row = [waiters[depth] for waiters in flows if depth < len(waiters)]
+            if not row:
+                break
+            found += row
+            if len(found) >= count:
+                break
+        return found[:count]
+
+    def take(self, waiter: W) -> None:
+        """Take `waiter` out in its flow's turn: as popleft() would, its flow's next turn comes after the others'."""
+        flow = self._flow_of(waiter)
+        self.remove(waiter)
+        if flow in self._flows:
+            self._flows.move_to_end(flow)
+
     def remove(self, waiter: W) -> None:
         """Take `waiter` out wherever it is; ValueError when it is not queued."""
         flow = self._flow_of(waiter)

@@ -18,7 +18,7 @@ from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.endpoints.types import Endpoint, EndpointState
 from kvgate.engine.tokenizer import TokenizerError
 from kvgate.policies import build_policy
-from kvgate.policies.capacity import ClassStanding, occupied, room_for
+from kvgate.policies.capacity import ClassStanding, first_to_fill, has_room, occupied, room_for
 from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.types import Policy, RequestInfo
@@ -96,7 +96,7 @@ class Gateway:
                            peers=config.shares_decisions)
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
-                                        self.preemption)
+                                        self.preemption, held_with_room=self._held_with_room)
         self.peers = DecisionPeers(config.peer_address, config.peer_addresses, self.routed_elsewhere,
                                    lambda event: self.metrics.peer_decisions.labels(event).inc(),
                                    peer_discovery(config)) \
@@ -208,6 +208,19 @@ class Gateway:
         model's answer)."""
         return room_for(self._candidates(request.model), self.config.saturation, standing,
                         prompt_tokens(request, self.config.routing))
+
+    def _held_with_room(self, request: RequestInfo, standing: ClassStanding) -> bool:
+        """Whether a replica with room for `request`, of a class so standing, holds more of its prompt than the
+        least of its model's replicas."""
+        snapshot = self.fleet.snapshot()
+        candidates = snapshot.candidates(request.model)
+        holders = self.policy.holders(request, candidates, snapshot.now)
+        if not holders:
+            return False
+        tokens = prompt_tokens(request, self.config.routing)
+        first = first_to_fill(candidates) if standing.yields else None
+        return any(has_room(state, self.config.saturation, standing, tokens, first)
+                   for state in candidates if state.key in holders)
 
     def _describe_events(self, key: str, stats: ReplicaEventStats | None) -> dict[str, Any] | None:
         """One replica's KV events subscription for /debug/fleet; None when it has no events address."""

@@ -20,7 +20,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvgate.policies.capacity import ClassStanding, first_to_fill, has_room
+from kvgate.policies.capacity import ClassStanding, with_room
 from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.types import Decision
 from kvgate.router.auth import KEY_INFO, KeyInfo
@@ -110,11 +110,8 @@ class RequestPipeline:
         if subset is not None:
             snapshot = snapshot.restricted(lambda state: state.endpoint.address in subset)
         if standing is not None and not standing.alone:
-            tokens = prompt_tokens(request.info, gateway.config.routing)
-            candidates = snapshot.candidates(request.model)
-            first = first_to_fill(candidates) if standing.yields else None
-            roomy = {state.key for state in candidates
-                     if has_room(state, gateway.config.saturation, standing, tokens, first)}
+            roomy = with_room(snapshot.candidates(request.model), gateway.config.saturation, standing,
+                              prompt_tokens(request.info, gateway.config.routing))
             if roomy:
                 snapshot = snapshot.restricted(lambda state: state.key in roomy)
         decision = gateway.policy.pick(request.info, snapshot)
