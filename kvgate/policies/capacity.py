@@ -191,10 +191,12 @@ def has_room(state: EndpointState, limits: SaturationThresholds, standing: Class
 
 
 def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
-              tokens: int = 0) -> frozenset[str]:
-    """The keys of the candidates that take one more request of a class so standing (has_room)."""
+              tokens: int = 0, among: Set[str] | None = None) -> frozenset[str]:
+    """The keys of the candidates (of those in `among`, when given) that take one more request of a class so
+    standing (has_room)."""
     first = first_to_fill(candidates) if standing.yields else None
-    return frozenset(state.key for state in candidates if has_room(state, limits, standing, tokens, first))
+    return frozenset(state.key for state in candidates if (among is None or state.key in among)
+                     and has_room(state, limits, standing, tokens, first))
 
 
 def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:

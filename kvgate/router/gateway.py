@@ -18,7 +18,7 @@ from kvgate.endpoints.scraper import MetricsScraper
 from kvgate.endpoints.types import Endpoint, EndpointState
 from kvgate.engine.tokenizer import TokenizerError
 from kvgate.policies import build_policy
-from kvgate.policies.capacity import ClassStanding, first_to_fill, has_room, occupied, room_for
+from kvgate.policies.capacity import ClassStanding, occupied, room_for, with_room
 from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.types import Policy, RequestInfo
@@ -215,12 +215,8 @@ class Gateway:
         snapshot = self.fleet.snapshot()
         candidates = snapshot.candidates(request.model)
         holders = self.policy.holders(request, candidates, snapshot.now)
-        if not holders:
-            return False
-        tokens = prompt_tokens(request, self.config.routing)
-        first = first_to_fill(candidates) if standing.yields else None
-        return any(has_room(state, self.config.saturation, standing, tokens, first)
-                   for state in candidates if state.key in holders)
+        return bool(holders) and bool(with_room(candidates, self.config.saturation, standing,
+                                                prompt_tokens(request, self.config.routing), holders))
 
     def _describe_events(self, key: str, stats: ReplicaEventStats | None) -> dict[str, Any] | None:
         """One replica's KV events subscription for /debug/fleet; None when it has no events address."""
