@@ -6,8 +6,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import pytest
+
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import (ClassStanding, SaturationThresholds, SeatLearner, first_to_fill, has_room,
+from kvgate.policies.capacity import (ClassStanding, PromptTokens, SaturationThresholds, SeatLearner, first_to_fill, has_room,
                                       kv_room, kv_seats, kv_slots, kv_usage, occupied, peer_seats, room_for,
                                       seat_to_free, with_room)
 from kvgate.policies.cost import requests_ahead
@@ -54,6 +56,11 @@ def test_a_full_kv_cache_has_room_for_a_class_among_others_once_a_request_it_ran
     assert kv_usage(scraped_full(0)) == 0.9
     assert kv_usage(scraped_full(-1)) == 0.9 * 3 / 4
     assert kv_usage(scraped_full(2)) == 0.9  # sent since: the queue and seat estimates count them
+    # Where the cache size is known, what it holds beyond the page is counted as the engine counts it.
+    sized = ReplicaMetrics(running=4, kv_cache_usage=0.8, block_size=16, num_gpu_blocks=500, scraped_at=1.0,
+                           stale=False)
+    assert kv_usage(EndpointState(Endpoint("a", "http://a:8000"), metrics=sized, kv_grown=800)) == pytest.approx(0.9)
+    assert kv_usage(EndpointState(Endpoint("a", "http://a:8000"), metrics=sized, kv_grown=-80)) == pytest.approx(0.79)
     among_others = ClassStanding(alone=False)
     assert room_for([scraped_full(0)], limits, among_others) == 0
     assert room_for([scraped_full(-1)], limits, among_others) >= 1
@@ -226,17 +233,33 @@ def test_a_page_that_lags_this_gateways_count_does_not_stall_the_growth_of_a_rep
     assert room_for([grown], SaturationThresholds(), ClassStanding(yields=True)) == 0  # its step taken until a scrape
 
 
-def test_a_prompt_fits_where_its_blocks_are_free_beside_what_was_sent_since_the_scrape() -> None:
-    def cache(running: int, usage: float, recent: int = 0) -> EndpointState:  # 500 blocks of 16 tokens
+def test_a_prompt_fits_where_its_blocks_are_free_beside_what_changed_since_the_scrape() -> None:
+    def cache(running: int, usage: float, kv_grown: float = 0.0, elsewhere: int = 0, in_flight: int = 0,
+              recent: int = 0) -> EndpointState:  # 500 blocks of 16 tokens: 8,000 tokens
         metrics = ReplicaMetrics(running=running, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500,
                                  scraped_at=1.0, stale=False)
-        return EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, recent=recent)
+        return EndpointState(Endpoint("a", "http://a:8000"), metrics=metrics, kv_grown=kv_grown, elsewhere=elsewhere,
+                             in_flight=in_flight, recent=recent)
 
     assert kv_room(cache(4, 0.81), 1500) == 0  # 1,520 tokens free, less a block for each running one to grow
     assert kv_room(cache(3, 0.61), 1500) == 2  # 3,072 tokens free: two prompts of 94 blocks, each with one to grow
-    assert kv_room(cache(3, 0.61, recent=1), 1500) == 0  # one sent since holds as much as each running one
+    assert kv_room(cache(3, 0.61, kv_grown=1520), 1500) == 1  # one sent since holds its prompt's blocks
+    assert kv_room(cache(3, 0.61, kv_grown=64), 1500) == 1  # ... or only its question's, its system prompt shared
     assert kv_room(cache(4, 0.81), 100) == 11  # short prompts still fit beside long ones
-    assert kv_room(cache(4, 0.81, recent=-1), 1500) == 2  # one finished since: its blocks are free before the page
+    assert kv_room(cache(4, 0.81, kv_grown=-1620), 1500) == 2  # one finished since: its blocks are free
+    # One that finished while another in flight still holds its system prompt freed only its question's blocks.
+    assert kv_room(cache(4, 0.81, kv_grown=-80), 1500) == 1
+    assert kv_room(cache(4, 0.81, kv_grown=-80, recent=-1), 1500) == 1  # the count finished says no more than that
+    # One another gateway sent, or one the page missed on its way in: the running ones' mean, or the prompt if larger.
+    assert kv_room(cache(3, 0.61, elsewhere=1), 1500) == 0
+    assert kv_room(cache(3, 0.61, in_flight=4), 1500) == 0
+    assert kv_room(cache(3, 0.61, in_flight=4, recent=1, kv_grown=1520), 1500) == 1  # sent since: counted once
+    # A prompt whose system prompt a request in flight there holds takes only its question's blocks.
+    full = [cache(4, 0.81)]
+    assert room_for(full, SaturationThresholds(kv_cache=0.9), ClassStanding(alone=False),
+                    tokens=PromptTokens(1500, {"a": 60})) >= 1
+    assert room_for(full, SaturationThresholds(kv_cache=0.9), ClassStanding(alone=False),
+                    tokens=PromptTokens(1500, {"b": 60})) == 0
     assert kv_room(EndpointState(Endpoint("b", "http://b:8000")), 10**6) == math.inf  # never scraped: no reason
     mixed = ClassStanding(alone=False)
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 0
@@ -253,6 +276,10 @@ def test_the_replicas_with_room_are_those_a_request_of_the_class_fits() -> None:
 
     fleet, limits, tokens = [cache("a", 0.82), cache("b", 0.5), cache("c", 0.1)], SaturationThresholds(), 1200
     assert with_room(fleet, limits, ClassStanding(yields=True, alone=False), tokens) == {"b", "c"}
+    # The class the others yield to takes a replica past `kv_cache` where its prompt's blocks are free: that share is
+    # the room the classes below leave it (1,360 tokens free in a, for 1,216).
+    assert with_room(fleet, limits, ClassStanding(alone=False), tokens) == {"a", "b", "c"}
+    assert with_room(fleet, limits, ClassStanding(alone=False), 1400) == {"b", "c"}
     assert with_room(fleet, limits, ClassStanding(alone=False), 4000) == {"c"}  # 4,000 tokens fit only in c
     assert with_room(fleet, limits, ClassStanding(alone=False), 4000) == {
         state.key for state in fleet if has_room(state, limits, ClassStanding(alone=False), 4000)}

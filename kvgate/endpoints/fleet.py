@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from kvgate.endpoints.health import PassiveHealth
 from kvgate.endpoints.types import Endpoint, EndpointState, FleetSnapshot, ReplicaMetrics
-from kvgate.policies.capacity import SeatLearner, peer_seats
+from kvgate.policies.capacity import PromptTokens, SeatLearner, peer_seats
+from kvgate.policies.config import RoutingConfig
+from kvgate.policies.cost import prompt_tokens
+from kvgate.policies.held_kv import HeldKv, kv_footprint
 from kvgate.policies.token_rate import PromptTokenRates, fleet_rate
 from kvgate.policies.traffic_view import TrafficView
+from kvgate.policies.types import RequestInfo
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +30,9 @@ class Fleet:
 
     def __init__(self, metrics: Callable[[str], ReplicaMetrics], models: Callable[[str], frozenset[str]],
                  clock: Callable[[], float] = time.monotonic, seats: int = 0, kv_full: float = 0.8,
-                 peers: bool = False) -> None:
+                 peers: bool = False, routing: RoutingConfig | None = None) -> None:
         self._metrics = metrics
+        self._routing = routing or RoutingConfig()
         self._models = models
         self.health = PassiveHealth(clock=clock)
         self._clock = clock
@@ -39,6 +45,11 @@ class Fleet:
         self._sends_at_scrape: dict[str, int] = {}  # _sends when the scrape in flight started
         self._open_at_scrape: dict[str, int] = {}  # _in_flight when the scrape in flight started
         self._open_at_page: dict[str, int] = {}  # _in_flight when the last successful scrape started
+        self._held: dict[str, HeldKv] = {}  # KV cache this gateway's in-flight requests hold on each replica
+        self._held_at_scrape: dict[str, float] = {}  # _held's tokens when the scrape in flight started
+        self._held_at_page: dict[str, float] = {}  # _held's tokens when the last successful scrape started
+        self._elsewhere: Counter[str] = Counter()  # requests other gateways sent since each replica's last scrape
+        self._elsewhere_at_scrape: dict[str, int] = {}  # _elsewhere when the scrape in flight started
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
         self._token_rates = PromptTokenRates()
@@ -74,6 +85,9 @@ class Fleet:
             self._sends_at_scrape.pop(key, None)
             self._open_at_scrape.pop(key, None)
             self._open_at_page.pop(key, None)
+            for kept in (self._held, self._held_at_scrape, self._held_at_page, self._elsewhere,
+                         self._elsewhere_at_scrape):
+                kept.pop(key, None)
             self._seats.forget(key)
             self._token_rates.forget(key)
             self._traffic.forget(key)
@@ -114,6 +128,8 @@ class Fleet:
         return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key], models=models,
                              healthy=self.health.healthy(key), recent=self._recent[key],
                              grown=self._in_flight[key] - self._open_at_page.get(key, 0),
+                             kv_grown=self._held_tokens(key) - self._held_at_page.get(key, 0.0),
+                             elsewhere=self._elsewhere[key],
                              seats=self._configured_seats or learned_seats, peer_seats=seats_of_peers,
                              filled=filled, chars_per_token=self._token_rates.rate(key))
 
@@ -125,6 +141,8 @@ class Fleet:
         """A scrape of `key` starts: what was sent and finished before now is in the page it will read."""
         self._sends_at_scrape[key] = self._sends[key]
         self._open_at_scrape[key] = self._in_flight[key]
+        self._held_at_scrape[key] = self._held_tokens(key)
+        self._elsewhere_at_scrape[key] = self._elsewhere[key]
 
     def scraped(self, key: str, ok: bool) -> None:
         """A scrape of `key` finished: a fresh one already counts what was sent and finished before it started.
@@ -136,9 +154,13 @@ class Fleet:
         self._version += 1  # new metrics, and staleness may have changed
         started_at = self._sends_at_scrape.pop(key, self._sends[key])
         open_at_start = self._open_at_scrape.pop(key, self._in_flight[key])
+        held_at_start = self._held_at_scrape.pop(key, self._held_tokens(key))
+        elsewhere_at_start = self._elsewhere_at_scrape.pop(key, self._elsewhere[key])
         if ok:
             self._recent[key] = self._sends[key] - started_at
             self._open_at_page[key] = open_at_start
+            self._held_at_page[key] = held_at_start
+            self._elsewhere[key] -= elsewhere_at_start
             metrics = self._metrics(key)
             learned = self._seats.observe(key, metrics)
             if learned is not None:
@@ -157,9 +179,12 @@ class Fleet:
         """The share of its replicas' requests this gateway sent or learned of (TrafficView); None until known."""
         return self._traffic.seen_share()
 
-    def acquire(self, key: str) -> None:
-        """Count a request sent to `key` (at pick time, so the next pick sees it)."""
+    def acquire(self, key: str, request: RequestInfo | None = None) -> None:
+        """Count a request sent to `key` (at pick time, so the next pick sees it), and the KV cache its prompt takes
+        there (`request`; None: unknown)."""
         self._in_flight[key] += 1
+        if request is not None:
+            self._held.setdefault(key, HeldKv()).add(kv_footprint(request, self._routing))
         self._sent(key)
 
     def sent_elsewhere(self, key: str) -> None:
@@ -167,6 +192,7 @@ class Fleet:
         until a scrape shows it (its finish is not seen here, so the estimate errs high until then). Not while the
         replica's metrics are stale: no scrape would reset the count."""
         if not self._metrics(key).stale:
+            self._elsewhere[key] += 1
             self._sent(key)
 
     def _sent(self, key: str) -> None:
@@ -176,8 +202,11 @@ class Fleet:
         self._traffic.sent(key)
         self._version += 1
 
-    def release(self, key: str) -> None:
-        """Count a request to `key` as finished."""
+    def release(self, key: str, request: RequestInfo | None = None) -> None:
+        """Count a request to `key` as finished (`request` as acquire() was given it)."""
+        held = self._held.get(key)
+        if request is not None and held is not None:
+            held.remove(kv_footprint(request, self._routing))
         self._in_flight[key] -= 1
         self._recent[key] -= 1
         self._version += 1
@@ -192,6 +221,17 @@ class Fleet:
         """Prompt characters per token on the replicas serving `model` (the median of those learned); None until
         one is."""
         return fleet_rate(state.chars_per_token for state in self.snapshot().endpoints if state.serves(model))
+
+    def prompt_tokens(self, request: RequestInfo) -> PromptTokens:
+        """The KV cache tokens `request`'s prompt takes on each replica: less where requests in flight hold its
+        leading blocks already (HeldKv.shared_tokens)."""
+        footprint, whole = kv_footprint(request, self._routing), prompt_tokens(request, self._routing)
+        return PromptTokens(whole, {key: max(1, math.ceil(whole - held.shared_tokens(footprint)))
+                                    for key, held in self._held.items()})
+
+    def _held_tokens(self, key: str) -> float:
+        held = self._held.get(key)
+        return held.tokens if held is not None else 0.0
 
     def in_flight(self, key: str) -> int:
         """Requests this gateway has open on `key`."""

@@ -68,6 +68,10 @@ class EndpointState:
     # requests this gateway has open on it now less those it had open when that scrape started: the net growth
     # since the page (a request that replaced one finished while the scrape was in flight is no growth)
     grown: int = 0
+    # KV cache tokens this gateway's in-flight requests hold on it now less those they held when that scrape started,
+    # each shared prefix block once (policies/held_kv.py)
+    kv_grown: float = 0.0
+    elsewhere: int = 0  # requests other gateways sent to it since that scrape (their KV cache is not in kv_grown)
     seats: int | None = None  # sequences it runs at once (vLLM --max-num-seqs): configured or learned; None unknown
     # while its own seats are unknown: the fewest learned on another replica serving one of its models (peer_seats)
     peer_seats: int | None = None

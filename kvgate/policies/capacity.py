@@ -10,13 +10,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, TypeVar
 
 from kvgate.endpoints.types import EndpointState, ReplicaMetrics
 
 _GROWTH = 0.1  # share of its running count a replica of unknown seats may gain per scrape (growth_step)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """The KV cache tokens one prompt takes on each replica: all of it (`whole`), less on a replica where requests in
+    flight hold its leading blocks already (`on`: replica key -> tokens; policies/held_kv.py)."""
+
+    whole: int
+    on: Mapping[str, int] = field(default_factory=dict)
+
+    def at(self, key: str) -> int:
+        """What the prompt takes on replica `key`."""
+        return self.on.get(key, self.whole)
+
+
+Tokens = int | PromptTokens  # a prompt's length, the same on every replica, or what it takes on each
+
+
+def _tokens_at(tokens: Tokens, key: str) -> int:
+    return tokens.at(key) if isinstance(tokens, PromptTokens) else tokens
 
 
 @dataclass(frozen=True)
@@ -71,15 +91,34 @@ def estimated_waiting(state: EndpointState, cautious: bool = False, seats: int |
 
 
 def kv_usage(state: EndpointState) -> float:
-    """The replica's KV cache use now, as far as its last scrape tells: the scraped share, less what the requests
-    that finished since held when more finished than were sent (the running ones' mean: vLLM frees a finished
-    request's blocks at once, its cached ones included), so that a replica a scrape showed full takes the next
-    request as soon as one of its own ends, not a scrape later (what the page does not show yet is unseen()'s).
-    Requests sent since add nothing here: the queue and seat estimates count them."""
-    metrics, since = state.metrics, unseen(state)
+    """The replica's KV cache use now: the scraped share moved by what it holds beyond that reading (_kv_since), so
+    that a replica a scrape showed full takes the next request as soon as one of its own frees blocks, not a scrape
+    later, and requests decided on one scrape do not all count the same free blocks. Where the cache size is unknown,
+    the scraped share less what the requests that finished since held when more finished than were sent (the running
+    ones' mean)."""
+    metrics = state.metrics
+    capacity = metrics.kv_capacity_tokens
+    if capacity:
+        return min(1.0, max(0.0, metrics.kv_cache_usage + _kv_since(state, 0) / capacity))
+    since = unseen(state)
     if since >= 0 or metrics.running <= 0:
         return metrics.kv_cache_usage
     return max(0.0, metrics.kv_cache_usage * (1.0 + since / metrics.running))
+
+
+def _kv_since(state: EndpointState, tokens: int) -> float:
+    """KV cache tokens the replica holds now beyond its last scrape's reading.
+
+    What this gateway's requests took and freed since (kv_grown: a prefix block shared by several of them once, as
+    vLLM counts it, so a request whose system prompt another still runs frees only its own part), and for each
+    request that neither the page nor kv_grown shows (sent by another gateway, or on its way into the engine when
+    the page was read), the running ones' mean or a prompt of `tokens`, whichever is larger.
+    """
+    metrics = state.metrics
+    capacity = metrics.kv_capacity_tokens or 0
+    mean = metrics.kv_cache_usage * capacity / metrics.running if metrics.running > 0 else 0.0
+    unshown = max(0, state.in_flight - metrics.running - metrics.waiting - state.recent)
+    return state.kv_grown + (state.elsewhere + unshown) * max(mean, tokens)
 
 
 def full_at(metrics: ReplicaMetrics) -> int | None:
@@ -104,7 +143,8 @@ def free_seats(state: EndpointState) -> int | None:
     return None if not seats else max(0, seats - occupied(state))
 
 
-def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, yields: bool = False) -> float:
+def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = True, yields: bool = False,
+             fits: bool = False) -> float:
     """How many more requests a replica takes before it is saturated; infinite when nothing says otherwise.
 
     Fresh metrics: the scraped queue moved by what the gateway sent and saw finish since, and so the KV cache use
@@ -123,7 +163,9 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     (kv_slots), so that it leaves room. For a request that does not probe, a replica of unknown seats whose
     scrape shows a queue is full at its running count (full_at): it would wait there behind the queue, first
     come first served; else it has the seats its peers showed (peer_seats), except for a class that yields,
-    which grows toward them (growth_step) and so still finds a replica that has more.
+    which grows toward them (growth_step) and so still finds a replica that has more. A request that `fits` the
+    replica's free KV blocks (kv_room counted them) and yields to no class is not held back by `kv_cache`: that
+    share is the room the classes below leave it.
     """
     room = float("inf")
     metrics = state.metrics
@@ -131,7 +173,8 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     if not seats and not probe:
         seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
-        if not metrics.stale and (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache:
+        full = (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache
+        if not metrics.stale and full and not (fits and not yields):
             return 0.0
         if limits.queue:
             waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, not probe, seats)
@@ -151,7 +194,7 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   probe: bool = True, yields: bool = False, tokens: int = 0) -> float:
+                   probe: bool = True, yields: bool = False, tokens: Tokens = 0) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats (known, or likely from their peers') that must stay free for
@@ -183,7 +226,7 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     return room
 
 
-def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: int = 0,
+def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: Tokens = 0,
              first: str | None = None) -> bool:
     """Whether one replica takes one more request of a class so standing, its reserve aside (`tokens` as in
     fleet_headroom, `first` the key first_to_fill() gives for its candidates)."""
@@ -191,7 +234,7 @@ def has_room(state: EndpointState, limits: SaturationThresholds, standing: Class
 
 
 def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
-              tokens: int = 0, among: Set[str] | None = None) -> frozenset[str]:
+              tokens: Tokens = 0, among: Set[str] | None = None) -> frozenset[str]:
     """The keys of the candidates (of those in `among`, when given) that take one more request of a class so
     standing (has_room)."""
     first = first_to_fill(candidates) if standing.yields else None
@@ -219,20 +262,16 @@ def kv_room(state: EndpointState, tokens: int) -> float:
     """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells.
 
     vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share of
-    the cache, less a block for each running sequence to grow by, less what each request sent since holds (the
-    running ones' mean, or this prompt if larger), plus what each one finished since held (the mean: vLLM frees a
-    request's blocks before its answer ends); each prompt takes its whole blocks and one to grow by. A count, not a
-    yes or no: requests released together all decide on the same scrape, and a replica with blocks for one must not
-    take them all. Infinite where the cache size is unknown or the metrics are stale (no reason to think not).
+    the cache, less a block for each running sequence to grow by, less what the replica holds beyond that reading
+    (_kv_since); each prompt takes its whole blocks and one to grow by. A count, not a yes or no: requests released
+    together all decide on the same scrape, and a replica with blocks for one must not take them all. Infinite where
+    the cache size is unknown or the metrics are stale (no reason to think not).
     """
     free = _kv_free(state.metrics)
     if free is None:
         return math.inf
-    metrics = state.metrics
-    mean = metrics.kv_cache_usage * metrics.kv_capacity_tokens / metrics.running if metrics.running else 0.0
-    since = unseen(state)
-    free -= since * (max(mean, tokens) if since > 0 else mean)
-    return max(0, math.floor(free / _prompt_tokens_held(tokens, metrics.block_size)))
+    free -= _kv_since(state, tokens)
+    return max(0, math.floor(free / _prompt_tokens_held(tokens, state.metrics.block_size)))
 
 
 def kv_seats(state: EndpointState, tokens: int) -> int | None:
@@ -260,17 +299,18 @@ def _prompt_tokens_held(tokens: int, block: int) -> int:
     return math.ceil(tokens / block) * block + block
 
 
-def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: int,
+def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: Tokens,
              first: str | None = None) -> float:
-    """headroom() of one replica; for a class that does not probe, at most as many as its prompt's KV blocks are
-    free for (kv_room; unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
+    """headroom() of one replica; for a class that does not probe, at most as many as the KV blocks its prompt takes
+    there are free for (kv_room; unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
     for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
     (and `seated_queue` more, as for a replica whose seats are known), and nothing past it while another replica,
     `first`, fills first (first_to_fill)."""
-    kv = kv_room(state, tokens) if tokens and not probe and limits.kv_cache < 1.0 else math.inf
+    need = _tokens_at(tokens, state.key)
+    kv = kv_room(state, need) if need and not probe and limits.kv_cache < 1.0 else math.inf
     if not kv:
         return 0.0
-    room = min(kv, headroom(state, limits, probe, yields))
+    room = min(kv, headroom(state, limits, probe, yields, fits=math.isfinite(kv)))
     metrics = state.metrics
     if not yields or state.seats or metrics.scraped_at is None:
         return room
@@ -344,7 +384,7 @@ class ClassStanding:
 
 
 def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
-             tokens: int = 0) -> float:
+             tokens: Tokens = 0) -> float:
     """Requests of one class the candidates take now; infinite when there is no candidate (its 503 is at once).
 
     A replica's own queue is first come first served, so while a more important class has traffic a

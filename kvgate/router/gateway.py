@@ -19,7 +19,6 @@ from kvgate.endpoints.types import Endpoint, EndpointState
 from kvgate.engine.tokenizer import TokenizerError
 from kvgate.policies import build_policy
 from kvgate.policies.capacity import ClassStanding, occupied, room_for, with_room
-from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.types import Policy, RequestInfo
 from kvgate.router.admission import AdmissionQueue
@@ -93,7 +92,7 @@ class Gateway:
         self.models = ModelLister(self.sessions.poll, refresh_s=config.models_refresh)
         self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats,
                            kv_full=config.saturation.kv_cache,
-                           peers=config.shares_decisions)
+                           peers=config.shares_decisions, routing=config.routing)
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
                                         self.preemption, held_with_room=self._held_with_room)
@@ -207,7 +206,7 @@ class Gateway:
         """Requests like `request`, of a class so standing, that its model's replicas take now (the capacity
         model's answer)."""
         return room_for(self._candidates(request.model), self.config.saturation, standing,
-                        prompt_tokens(request, self.config.routing))
+                        self.fleet.prompt_tokens(request))
 
     def _held_with_room(self, request: RequestInfo, standing: ClassStanding) -> bool:
         """Whether a replica with room for `request`, of a class so standing, holds more of its prompt than the
@@ -216,7 +215,7 @@ class Gateway:
         candidates = snapshot.candidates(request.model)
         holders = self.policy.holders(request, candidates, snapshot.now)
         return bool(holders) and bool(with_room(candidates, self.config.saturation, standing,
-                                                prompt_tokens(request, self.config.routing), holders))
+                                                self.fleet.prompt_tokens(request), holders))
 
     def _describe_events(self, key: str, stats: ReplicaEventStats | None) -> dict[str, Any] | None:
         """One replica's KV events subscription for /debug/fleet; None when it has no events address."""

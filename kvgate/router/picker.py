@@ -219,7 +219,7 @@ class PickerStream:
         if self._replica is not None:
             self._release()
         key = self._replica = state.key
-        gateway.fleet.acquire(key)
+        gateway.fleet.acquire(key, self._parsed.info)
         gateway.metrics.in_flight.labels(key).inc()
         gateway.routed(self._parsed.info, state)
         self._held.callback(self._release_once, key)
@@ -230,8 +230,8 @@ class PickerStream:
 
     def _release(self) -> None:
         gateway = self._gateway
-        assert self._replica is not None
-        gateway.fleet.release(self._replica)
+        assert self._replica is not None and self._parsed is not None
+        gateway.fleet.release(self._replica, self._parsed.info)
         gateway.metrics.in_flight.labels(self._replica).dec()
         self._replica = None
 

@@ -21,7 +21,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 from kvgate.policies.capacity import ClassStanding, with_room
-from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.types import Decision
 from kvgate.router.auth import KEY_INFO, KeyInfo
 from kvgate.router.errors import GatewayError, error_response
@@ -111,7 +110,7 @@ class RequestPipeline:
             snapshot = snapshot.restricted(lambda state: state.endpoint.address in subset)
         if standing is not None and not standing.alone:
             roomy = with_room(snapshot.candidates(request.model), gateway.config.saturation, standing,
-                              prompt_tokens(request.info, gateway.config.routing))
+                              gateway.fleet.prompt_tokens(request.info))
             if roomy:
                 snapshot = snapshot.restricted(lambda state: state.key in roomy)
         decision = gateway.policy.pick(request.info, snapshot)

@@ -99,7 +99,7 @@ class Forwarder:
         answers: it raises Preempted then.
         """
         key = target.key
-        self._fleet.acquire(key)
+        self._fleet.acquire(key, request.info)
         self._routed(request.info, target)
         gauge = self._metrics.in_flight.labels(key)
         gauge.inc()
@@ -112,7 +112,7 @@ class Forwarder:
             return await self._relay(http, upstream, prefetched, outcome)
         finally:
             gauge.dec()
-            self._fleet.release(key)
+            self._fleet.release(key, request.info)
             if upstream is not None:
                 # An unfinished body means the client or the replica went away: drop the connection so
                 # vLLM sees the disconnect and aborts the generation.

@@ -1,0 +1,74 @@
+"""What a replica's in-flight requests hold of its KV cache, counted as the engine counts it.
+
+vLLM holds a prompt block once however many running requests share it, and frees it when the last of them ends
+(`vllm:kv_cache_usage_perc` counts such blocks). A gateway that credits each finished request with the mean
+running request's blocks errs where prompts share a prefix: a request whose system prompt another one still runs
+frees only its own question's blocks. HeldKv counts the blocks of this gateway's in-flight requests by their
+prefix keys, so that the change since a replica's last scrape is what the engine's would be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgate.policies.config import RoutingConfig
+from kvgate.policies.cost import prompt_tokens, tokens_per_block
+from kvgate.policies.types import RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class KvFootprint:
+    """The KV cache one request takes on its replica: its prompt's prefix blocks, held once with any in-flight request
+    that opens the same way, and the tokens that are its alone (the rest of its prompt, a block to grow by)."""
+
+    blocks: tuple[int, ...] = ()
+    block_tokens: float = 0.0
+    own_tokens: float = 0.0
+
+
+def kv_footprint(request: RequestInfo, config: RoutingConfig) -> KvFootprint:
+    """The footprint of `request`: its prefix blocks at the tokens each holds, and the rest of its prompt beyond them
+    (an unhashed tail, a partial block) with one block to grow by as its own."""
+    block_tokens = tokens_per_block(config, request)
+    prefix = len(request.block_hashes) * block_tokens
+    own = max(0.0, prompt_tokens(request, config) - prefix) + block_tokens
+    return KvFootprint(request.block_hashes, block_tokens, own)
+
+
+class HeldKv:
+    """The KV tokens one replica's in-flight requests hold between them, each shared prefix block once."""
+
+    def __init__(self) -> None:
+        self._refs: dict[int, int] = {}  # prefix block -> in-flight requests holding it
+        self.tokens = 0.0
+
+    def add(self, footprint: KvFootprint) -> None:
+        """A request with `footprint` is in flight."""
+        for block in footprint.blocks:
+            held = self._refs.get(block, 0)
+            if not held:
+                self.tokens += footprint.block_tokens
+            self._refs[block] = held + 1
+        self.tokens += footprint.own_tokens
+
+    def remove(self, footprint: KvFootprint) -> None:
+        """A request added with `footprint` ended: the blocks no other in-flight request holds are free."""
+        for block in footprint.blocks:
+            held = self._refs.get(block, 0)
+            if held <= 1:
+                self._refs.pop(block, None)
+                if held:
+                    self.tokens -= footprint.block_tokens
+            else:
+                self._refs[block] = held - 1
+        self.tokens = max(0.0, self.tokens - footprint.own_tokens)
+
+    def shared_tokens(self, footprint: KvFootprint) -> float:
+        """The tokens of the leading prefix blocks of a request with `footprint` that requests in flight hold already:
+        the engine finds them cached and in use, and the request shares them instead of taking blocks of its own."""
+        shared = 0
+        for block in footprint.blocks:
+            if block not in self._refs:
+                break
+            shared += 1
+        return shared * footprint.block_tokens
