@@ -9,6 +9,7 @@ prefix keys, so that the change since a replica's last scrape is what the engine
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from kvgate.policies.config import RoutingConfig
@@ -65,10 +66,10 @@ class HeldKv:
 
     def shared_tokens(self, footprint: KvFootprint) -> float:
         """The tokens of the leading prefix blocks of a request with `footprint` that requests in flight hold already:
-        the engine finds them cached and in use, and the request shares them instead of taking blocks of its own."""
-        shared = 0
-        for block in footprint.blocks:
-            if block not in self._refs:
-                break
-            shared += 1
+        the engine finds them cached and in use, and the request shares them instead of taking blocks of its own.
+
+        Prefix blocks are chained (each hash covers every block before it), so a request holding one holds all
+        before it: the held blocks are a leading run, found by bisection."""
+        blocks, refs = footprint.blocks, self._refs
+        shared = bisect.bisect_left(range(len(blocks)), True, key=lambda index: blocks[index] not in refs)
         return shared * footprint.block_tokens
