@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Coroutine
 from typing import Any
 
@@ -300,6 +301,26 @@ async def test_batch_leaves_the_reserve_free_only_while_interactive_traffic_is_r
     queue.refresh()
     await asyncio.wait_for(waiting, 1)
     assert 0.3 in room.reserves and room.reserves[-1] == 0.0
+
+
+async def test_batch_leaves_kv_room_for_the_largest_interactive_prompt_of_the_last_reserve_idle_s() -> None:
+    now = [0.0]
+    kept: list[int] = []
+
+    def room(request: RequestInfo, standing: ClassStanding) -> float:
+        kept.append(standing.kept_kv_reserve)
+        return 1.0
+
+    config = AdmissionConfig(reserve_idle_s=10.0)
+    queue = AdmissionQueue(config, PriorityConfig(), room, GatewayMetrics(), clock=lambda: now[0],
+                           prompt_tokens=lambda request: request.prompt_chars // 4)
+    for chars, at in ((6400, 0.0), (400, 5.0)):
+        now[0] = at
+        await admit(queue, dataclasses.replace(info("interactive"), prompt_chars=chars))
+    await admit(queue, dataclasses.replace(info("batch"), prompt_chars=40_000))
+    now[0] = 12.0  # the 1,600-token prompt left the window; the 100-token one is in it
+    await admit(queue, info("batch"))
+    assert kept == [0, 0, 1600, 100]  # interactive leaves none; batch the largest interactive prompt in the window
 
 
 async def test_the_minimum_share_of_batch_may_use_the_reserve() -> None:

@@ -254,6 +254,12 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_changed_since_the_s
     assert kv_room(cache(3, 0.61, elsewhere=1), 1500) == 0
     assert kv_room(cache(3, 0.61, in_flight=4), 1500) == 0
     assert kv_room(cache(3, 0.61, in_flight=4, recent=1, kv_grown=1520), 1500) == 1  # sent since: counted once
+    # A class that yields leaves room for a more important class's prompt beside its own, unless preemptible.
+    leaving = ClassStanding(yields=True, alone=False, kv_reserve=1400)
+    assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), leaving, tokens=1500) == 1
+    assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), leaving, tokens=1700) == 0
+    assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9),
+                    dataclasses.replace(leaving, preemptible=True), tokens=1700) == 1
     # A prompt whose system prompt a request in flight there holds takes only its question's blocks.
     full = [cache(4, 0.81)]
     assert room_for(full, SaturationThresholds(kv_cache=0.9), ClassStanding(alone=False),

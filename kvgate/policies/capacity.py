@@ -194,7 +194,7 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   probe: bool = True, yields: bool = False, tokens: Tokens = 0) -> float:
+                   probe: bool = True, yields: bool = False, tokens: Tokens = 0, kv_reserve: int = 0) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats (known, or likely from their peers') that must stay free for
@@ -204,7 +204,8 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
     past its last scrape, one replica at a time (first_to_fill), so that its requests never make a queue that
     others wait behind. A class that does not probe finds no room where a prompt of `tokens` (0 = not asked)
-    would wait for KV blocks (kv_room).
+    would wait for KV blocks (kv_room), beside room for a prompt of `kv_reserve` tokens kept for a more important
+    class.
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
@@ -214,9 +215,9 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
         if seats:
             seated.append((state, seats))
         else:
-            room += _room_on(state, limits, probe, yields, tokens, first)
+            room += _room_on(state, limits, probe, yields, tokens, first, kv_reserve)
     if seated:
-        seated_room = sum(_room_on(state, limits, probe, yields, tokens, first) for state, _ in seated)
+        seated_room = sum(_room_on(state, limits, probe, yields, tokens, first, kv_reserve) for state, _ in seated)
         if reserve > 0:
             total = sum(seats for _, seats in seated)
             kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
@@ -230,7 +231,7 @@ def has_room(state: EndpointState, limits: SaturationThresholds, standing: Class
              first: str | None = None) -> bool:
     """Whether one replica takes one more request of a class so standing, its reserve aside (`tokens` as in
     fleet_headroom, `first` the key first_to_fill() gives for its candidates)."""
-    return _room_on(state, limits, standing.probes, standing.yields, tokens, first) >= 1
+    return _room_on(state, limits, standing.probes, standing.yields, tokens, first, standing.kept_kv_reserve) >= 1
 
 
 def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
@@ -258,8 +259,9 @@ def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
     return min((state.key for state in candidates if not state.metrics.stale and not state.filled), default=None)
 
 
-def kv_room(state: EndpointState, tokens: int) -> float:
-    """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells.
+def kv_room(state: EndpointState, tokens: int, reserve: int = 0) -> float:
+    """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells,
+    beside the blocks of a prompt of `reserve` tokens (0: none) kept free for a more important class.
 
     vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share of
     the cache, less a block for each running sequence to grow by, less what the replica holds beyond that reading
@@ -270,8 +272,9 @@ def kv_room(state: EndpointState, tokens: int) -> float:
     free = _kv_free(state.metrics)
     if free is None:
         return math.inf
-    free -= _kv_since(state, tokens)
-    return max(0, math.floor(free / _prompt_tokens_held(tokens, state.metrics.block_size)))
+    block = state.metrics.block_size
+    free -= _kv_since(state, tokens) + (_prompt_tokens_held(reserve, block) if reserve else 0)
+    return max(0, math.floor(free / _prompt_tokens_held(tokens, block)))
 
 
 def kv_seats(state: EndpointState, tokens: int) -> int | None:
@@ -300,14 +303,14 @@ def _prompt_tokens_held(tokens: int, block: int) -> int:
 
 
 def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: Tokens,
-             first: str | None = None) -> float:
+             first: str | None = None, kv_reserve: int = 0) -> float:
     """headroom() of one replica; for a class that does not probe, at most as many as the KV blocks its prompt takes
     there are free for (kv_room; unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
     for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
     (and `seated_queue` more, as for a replica whose seats are known), and nothing past it while another replica,
     `first`, fills first (first_to_fill)."""
     need = _tokens_at(tokens, state.key)
-    kv = kv_room(state, need) if need and not probe and limits.kv_cache < 1.0 else math.inf
+    kv = kv_room(state, need, kv_reserve) if need and not probe and limits.kv_cache < 1.0 else math.inf
     if not kv:
         return 0.0
     room = min(kv, headroom(state, limits, probe, yields, fits=math.isfinite(kv)))
@@ -369,11 +372,18 @@ class ClassStanding:
     preemptible: bool = False  # it gives up its seat on demand
     may_preempt: bool = False  # it could take the seat of a less important request now
     alone: bool = True  # no other class sent traffic recently: nobody's order depends on where it waits
+    kv_reserve: int = 0  # prompt tokens it leaves KV room for on each replica: a more important class's largest lately
 
     @property
     def kept_reserve(self) -> float:
         """The reserve it keeps now: none unless a more important class is active, none when preemptible."""
         return self.reserve if self.yields and not self.preemptible else 0.0
+
+    @property
+    def kept_kv_reserve(self) -> int:
+        """The KV room it leaves now for a more important class's prompt (kv_reserve), as kept_reserve: none when
+        preemptible, since it gives its blocks up on demand."""
+        return self.kv_reserve if self.yields and not self.preemptible else 0
 
     @property
     def probes(self) -> bool:
@@ -396,7 +406,8 @@ def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, 
     """
     if not candidates:
         return float("inf")
-    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, standing.yields, tokens)
+    return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, standing.yields, tokens,
+                          standing.kept_kv_reserve)
 
 
 def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:

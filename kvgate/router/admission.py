@@ -6,7 +6,9 @@ request finishes and after every metrics scrape it recomputes how many more requ
 they are saturated (kvgate.policies.capacity.room_for, which counts what was sent and finished since each
 scrape), less those already released but not yet sent. While a more important class has traffic, a class with
 a reserve leaves that share of every replica's seats free for it, so an interactive request finds a seat at
-once instead of waiting for a batch request to finish. A request of a preemptible class that can be
+once instead of waiting for a batch request to finish, and, where a replica's KV cache size is known, KV blocks
+free on every replica for the largest prompt the more important class sent lately. A request of a preemptible
+class that can be
 preempted (router/preemption.py) keeps no reserve: when a more important request finds no free seat, one
 such request gives up its own and waits here again, at the head of its class. Lower classes get a minimum
 share of dispatches so they are never starved; under overflow the newest request of the least important
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 
 from kvgate.policies.capacity import ClassStanding
 from kvgate.policies.priorities import PriorityConfig
+from kvgate.policies.recent_max import RecentMax
 from kvgate.policies.types import RequestInfo
 from kvgate.router.errors import GatewayError
 from kvgate.router.fair_queue import FairQueue
@@ -82,7 +85,8 @@ class AdmissionQueue:
     def __init__(self, config: AdmissionConfig, priorities: PriorityConfig,
                  room: Callable[[RequestInfo, ClassStanding], float], metrics: GatewayMetrics,
                  preemption: PreemptionRegistry | None = None, clock: Callable[[], float] = time.monotonic,
-                 held_with_room: Callable[[RequestInfo, ClassStanding], bool] | None = None) -> None:
+                 held_with_room: Callable[[RequestInfo, ClassStanding], bool] | None = None,
+                 prompt_tokens: Callable[[RequestInfo], int] | None = None) -> None:
         self._config = config
         self._classes = priorities.classes
         self._room = room  # (a request, its class's standing) -> requests like it the fleet takes now
@@ -95,6 +99,9 @@ class AdmissionQueue:
         self._pending: Counter[str] = Counter()  # model -> released from the queue, not yet sent to a replica
         self._since_low: dict[str, int] = {}  # model -> dispatches from a higher class while a lower one waited
         self._last_seen: dict[str, list[float]] = {}  # model -> when a request of each class last arrived
+        self._prompt_tokens = prompt_tokens  # a request's prompt length in tokens; None: no KV room kept for classes
+        # model -> each class's largest prompt within reserve_idle_s: the KV room the classes below it leave
+        self._largest: dict[str, list[RecentMax]] = {}
         self._count = 0
         self._bytes = 0
 
@@ -116,7 +123,7 @@ class AdmissionQueue:
         model = info.model
         preemptible = self.preemptible(info, preemptions)
         if not preemptions:
-            self._last_seen.setdefault(model, [-math.inf] * len(self._classes))[rank] = self._clock()
+            self._seen(info, rank)
         if not self._waiting(model, rank):
             standing = self._standing(model, rank, preemptible)
             if self._has_room(info, standing):
@@ -173,14 +180,28 @@ class AdmissionQueue:
         not yet sent."""
         return self._room(info, standing) - self._pending[info.model] >= 1
 
+    def _seen(self, info: RequestInfo, rank: int) -> None:
+        """A request of class `rank` arrived: its class has traffic, and its prompt is one the classes below it leave
+        KV room for."""
+        now = self._clock()
+        self._last_seen.setdefault(info.model, [-math.inf] * len(self._classes))[rank] = now
+        if self._prompt_tokens is not None and rank < len(self._classes) - 1:
+            largest = self._largest.setdefault(
+                info.model, [RecentMax(self._config.reserve_idle_s) for _ in self._classes])
+            largest[rank].observe(now, self._prompt_tokens(info))
+
     def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
         """Where class `rank` of `model` stands against the other classes now."""
         yields, alone = self._yields(model, rank), self._alone(model, rank)
+        now = self._clock()
+        kv_reserve = max((largest.largest(now) for largest in self._largest.get(model, ())[:rank]),
+                         default=0) if yields else 0
         # Whether it may preempt matters only to a class that would probe (alone, yielding to none): ask only then,
         # since it walks every replica's preemptible requests.
         return ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0), yields=yields,
                              preemptible=preemptible, alone=alone,
-                             may_preempt=alone and not yields and self._may_preempt(model, rank))
+                             may_preempt=alone and not yields and self._may_preempt(model, rank),
+                             kv_reserve=kv_reserve)
 
     def _may_preempt(self, model: str, rank: int) -> bool:
         """Whether a request of class `rank` could take the seat of a less important one now."""

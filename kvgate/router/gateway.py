@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from kvgate.endpoints.types import Endpoint, EndpointState
 from kvgate.engine.tokenizer import TokenizerError
 from kvgate.policies import build_policy
 from kvgate.policies.capacity import ClassStanding, occupied, room_for, with_room
+from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.precise_index import PrecisePrefixIndex
 from kvgate.policies.types import Policy, RequestInfo
 from kvgate.router.admission import AdmissionQueue
@@ -95,7 +97,8 @@ class Gateway:
                            peers=config.shares_decisions, routing=config.routing)
         self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
-                                        self.preemption, held_with_room=self._held_with_room)
+                                        self.preemption, held_with_room=self._held_with_room,
+                                        prompt_tokens=functools.partial(prompt_tokens, config=config.routing))
         self.peers = DecisionPeers(config.peer_address, config.peer_addresses, self.routed_elsewhere,
                                    lambda event: self.metrics.peer_decisions.labels(event).inc(),
                                    peer_discovery(config)) \
