@@ -10,6 +10,7 @@ prefix keys, so that the change since a replica's last scrape is what the engine
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
 
 from kvgate.policies.config import RoutingConfig
@@ -40,17 +41,15 @@ class HeldKv:
     """The KV tokens one replica's in-flight requests hold between them, each shared prefix block once."""
 
     def __init__(self) -> None:
-        self._refs: dict[int, int] = {}  # prefix block -> in-flight requests holding it
+        self._refs: Counter[int] = Counter()  # prefix block -> in-flight requests holding it (none held: absent)
         self.tokens = 0.0
 
     def add(self, footprint: KvFootprint) -> None:
         """A request with `footprint` is in flight."""
-        for block in footprint.blocks:
-            held = self._refs.get(block, 0)
-            if not held:
-                self.tokens += footprint.block_tokens
-            self._refs[block] = held + 1
-        self.tokens += footprint.own_tokens
+        # set and Counter operations run in C: this runs for every request sent
+        new = len(set(footprint.blocks).difference(self._refs))
+        self._refs.update(footprint.blocks)
+        self.tokens += new * footprint.block_tokens + footprint.own_tokens
 
     def remove(self, footprint: KvFootprint) -> None:
         """A request added with `footprint` ended: the blocks no other in-flight request holds are free."""

@@ -207,9 +207,9 @@ class Gateway:
 
     def _room(self, request: RequestInfo, standing: ClassStanding) -> float:
         """Requests like `request`, of a class so standing, that its model's replicas take now (the capacity
-        model's answer)."""
-        return room_for(self._candidates(request.model), self.config.saturation, standing,
-                        self.fleet.prompt_tokens(request))
+        model's answer). A class that probes never counts KV blocks, so its prompt's need per replica is not built."""
+        tokens = 0 if standing.probes else self.fleet.prompt_tokens(request)
+        return room_for(self._candidates(request.model), self.config.saturation, standing, tokens)
 
     def _held_with_room(self, request: RequestInfo, standing: ClassStanding) -> bool:
         """Whether a replica with room for `request`, of a class so standing, holds more of its prompt than the
