@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.types import Endpoint, ReplicaMetrics
 from kvgate.policies.config import RoutingConfig
@@ -77,3 +79,27 @@ def test_the_fleet_shows_the_kv_cache_taken_and_freed_since_each_replicas_scrape
     scrape()
     state = fleet.snapshot().get("a")
     assert state is not None and state.kv_grown == 0 and state.elsewhere == 0
+
+
+def test_held_tokens_match_counting_each_block_of_every_request_in_flight_once() -> None:
+    rng = random.Random(11)
+
+    def request() -> RequestInfo:
+        """A prompt that opens like others (chained blocks: each names every block before it) and then goes its own
+        way, at a point drawn at random."""
+        path: tuple[int, ...] = ()
+        blocks = []
+        for _ in range(rng.randint(0, 12)):
+            path += (rng.randint(0, 2),)  # three ways on from each block: prompts share leading runs often
+            blocks.append(hash(path))
+        return RequestInfo(model="m", block_hashes=tuple(blocks), prompt_chars=64 * len(blocks) + rng.randint(0, 63))
+
+    held, in_flight = HeldKv(), []
+    for _ in range(2_000):
+        if in_flight and rng.random() < 0.5:
+            held.remove(in_flight.pop(rng.randrange(len(in_flight))))
+        else:
+            in_flight.append(kv_footprint(request(), CONFIG))
+            held.add(in_flight[-1])
+        distinct = {block for footprint in in_flight for block in footprint.blocks}
+        assert held.tokens == len(distinct) * 16 + sum(footprint.own_tokens for footprint in in_flight)

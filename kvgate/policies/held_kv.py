@@ -10,7 +10,8 @@ prefix keys, so that the change since a replica's last scrape is what the engine
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections.abc import Callable
+from itertools import repeat
 from dataclasses import dataclass
 
 from kvgate.policies.config import RoutingConfig
@@ -38,37 +39,40 @@ def kv_footprint(request: RequestInfo, config: RoutingConfig) -> KvFootprint:
 
 
 class HeldKv:
-    """The KV tokens one replica's in-flight requests hold between them, each shared prefix block once."""
+    """The KV tokens one replica's in-flight requests hold between them, each shared prefix block once.
+
+    Prefix blocks are chained (each hash covers every block before it), so a request holding one holds all before
+    it: along one request's blocks the count of requests holding each never rises. What it shares with others, and
+    what it alone holds, are a leading and a trailing run, found by bisection; the counts change in C-level bulk
+    operations, as this runs twice for every request sent."""
 
     def __init__(self) -> None:
-        self._refs: Counter[int] = Counter()  # prefix block -> in-flight requests holding it (none held: absent)
+        self._refs: dict[int, int] = {}  # prefix block -> in-flight requests holding it (none held: absent)
         self.tokens = 0.0
 
     def add(self, footprint: KvFootprint) -> None:
         """A request with `footprint` is in flight."""
-        # set and Counter operations run in C: this runs for every request sent
-        new = len(set(footprint.blocks).difference(self._refs))
-        self._refs.update(footprint.blocks)
-        self.tokens += new * footprint.block_tokens + footprint.own_tokens
+        blocks, refs = footprint.blocks, self._refs
+        shared = self._leading(blocks, refs.__contains__)
+        refs.update(zip(blocks[:shared], map((1).__add__, map(refs.__getitem__, blocks[:shared]))))
+        refs.update(dict.fromkeys(blocks[shared:], 1))
+        self.tokens += (len(blocks) - shared) * footprint.block_tokens + footprint.own_tokens
 
     def remove(self, footprint: KvFootprint) -> None:
         """A request added with `footprint` ended: the blocks no other in-flight request holds are free."""
-        for block in footprint.blocks:
-            held = self._refs.get(block, 0)
-            if held <= 1:
-                self._refs.pop(block, None)
-                if held:
-                    self.tokens -= footprint.block_tokens
-            else:
-                self._refs[block] = held - 1
-        self.tokens = max(0.0, self.tokens - footprint.own_tokens)
+        blocks, refs = footprint.blocks, self._refs
+        kept = self._leading(blocks, lambda block: refs.get(block, 0) > 1)
+        refs.update(zip(blocks[:kept], map((-1).__add__, map(refs.__getitem__, blocks[:kept]))))
+        popped = list(map(refs.pop, blocks[kept:], repeat(None)))
+        freed = len(popped) - popped.count(None)
+        self.tokens = max(0.0, self.tokens - freed * footprint.block_tokens - footprint.own_tokens)
 
     def shared_tokens(self, footprint: KvFootprint) -> float:
         """The tokens of the leading prefix blocks of a request with `footprint` that requests in flight hold already:
-        the engine finds them cached and in use, and the request shares them instead of taking blocks of its own.
+        the engine finds them cached and in use, and the request shares them instead of taking blocks of its own."""
+        return self._leading(footprint.blocks, self._refs.__contains__) * footprint.block_tokens
 
-        Prefix blocks are chained (each hash covers every block before it), so a request holding one holds all
-        before it: the held blocks are a leading run, found by bisection."""
-        blocks, refs = footprint.blocks, self._refs
-        shared = bisect.bisect_left(range(len(blocks)), True, key=lambda index: blocks[index] not in refs)
-        return shared * footprint.block_tokens
+    @staticmethod
+    def _leading(blocks: tuple[int, ...], held: Callable[[int], bool]) -> int:
+        """How many of `blocks`, from the first, satisfy `held` (which, along chained blocks, holds for a leading run)."""
+        return bisect.bisect_left(range(len(blocks)), True, key=lambda index: not held(blocks[index]))
