@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -103,6 +104,32 @@ def test_the_seat_freed_soonest_is_on_the_replica_needing_fewest_preemptions_the
     kv_full = EndpointState(Endpoint("d", "http://d:8000"), metrics=ReplicaMetrics(
         running=4, waiting=1, kv_cache_usage=0.81, scraped_at=1.0, stale=False))  # its cache holds four of these
     assert seat_to_free([kv_full], {"d": [Holder(6), Holder(7)]}, {}) == [Holder(6), Holder(7)]
+
+
+def test_where_a_prompt_does_not_fit_preemption_takes_the_victims_that_free_its_kv_blocks() -> None:
+    def cache(key: str, usage: float) -> EndpointState:  # 500 blocks of 16 tokens, 4 seats, all taken
+        metrics = ReplicaMetrics(running=4, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500, scraped_at=1.0,
+                                 stale=False)
+        return EndpointState(Endpoint(key, f"http://{key}:8000"), metrics=metrics, seats=4)
+
+    # "a" has 1,456 tokens free (less a block for each running one to grow), "b" 1,376: a 1,500-token prompt takes
+    # 1,520 (its whole blocks and one to grow by), so "a" is 64 short and "b" 144.
+    a, b = cache("a", 0.81), cache("b", 0.82)
+    victims = {"a": [Holder(1), Holder(2), Holder(9)], "b": [Holder(3), Holder(8)]}
+    frees = {1: 1000.0, 2: 300.0, 3: 1000.0, 8: 200.0, 9: 16.0}  # what each frees alone: 9 shares its system prompt
+
+    def freed(key: str, holders: Sequence[Holder]) -> float:
+        return sum(frees[holder.seq] for holder in holders)
+
+    assert seat_to_free([a, b], victims, {}) == [Holder(9)]  # by seats alone: the youngest
+    # Its 16 tokens leave "a" short of the prompt's blocks. On each replica one victim frees enough: the youngest that
+    # does, "a"'s 2 and "b"'s 8, and "b"'s is younger.
+    assert seat_to_free([a, b], victims, {}, 1500, freed) == [Holder(8)]
+    assert seat_to_free([a, b], victims, {}, 2400, freed) == [Holder(1)]  # only "a"'s oldest frees enough alone
+    assert seat_to_free([a, b], victims, {}, 2500, freed) == [Holder(3), Holder(8)]  # two on either: "b"'s younger
+    assert seat_to_free([a, b], victims, {}, PromptTokens(2500, {"b": 1200}), freed) == [Holder(8)]  # shared on "b"
+    assert seat_to_free([a, b], victims, {}, 4000, freed) == []  # no replica frees that much this way
+    assert seat_to_free([a, b], victims, {}, 100, freed) == [Holder(9)]  # it fits: a seat is all it needs
 
 
 def test_a_request_sent_during_the_engine_step_before_a_scrape_still_counts_as_on_the_replica() -> None:

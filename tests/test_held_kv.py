@@ -103,3 +103,15 @@ def test_held_tokens_match_counting_each_block_of_every_request_in_flight_once()
             held.add(in_flight[-1])
         distinct = {block for footprint in in_flight for block in footprint.blocks}
         assert held.tokens == len(distinct) * 16 + sum(footprint.own_tokens for footprint in in_flight)
+
+
+def test_requests_free_the_blocks_no_other_request_holds_and_a_system_prompt_with_the_last_that_does() -> None:
+    held = HeldKv()
+    first, second, other = (kv_footprint(request, CONFIG) for request in (chat(1, 1), chat(1, 2), chat(2, 3)))
+    for footprint in (first, second, other):
+        held.add(footprint)
+    own = 2 * 16 + 24  # a request's own two blocks, its partial block and one to grow by
+    assert held.freed_by([second]) == own  # its tenant's system prompt stays: the first request holds it
+    assert held.freed_by([other]) == 100 * 16 + own
+    assert held.freed_by([first, second]) == 100 * 16 + 2 * own  # together they free their system prompt too
+    assert held.freed_by([]) == 0

@@ -9,8 +9,10 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import pytest
 
+from kvgate.endpoints.fleet import Fleet
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.simulator import SimFleet, SimOptions
+from kvgate.policies.config import RoutingConfig
 from kvgate.policies.priorities import PriorityConfig
 from kvgate.policies.types import RequestInfo
 from kvgate.router.admission import AdmissionConfig, AdmissionQueue
@@ -18,6 +20,7 @@ from kvgate.router.config import ConfigError, build_config
 from kvgate.router.metrics import GatewayMetrics
 from kvgate.router.preemption import PreemptionRegistry
 from tests.harness import RunningGateway, running_gateway, wait_until
+from tests.test_held_kv import chat
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 INTERACTIVE, BATCH = 0, 1
@@ -79,6 +82,33 @@ async def test_no_preemption_without_a_known_seat_count_or_a_less_important_requ
     registry = PreemptionRegistry(Replicas(replica("a", seats=1, occupied=1)))
     registry.track(MODEL, "a", INTERACTIVE)
     assert registry.preempt(MODEL, INTERACTIVE) == 0
+
+
+async def test_a_prompt_that_does_not_fit_preempts_the_batch_request_that_frees_its_kv_blocks() -> None:
+    page = ReplicaMetrics()
+    fleet = Fleet(lambda key: page, lambda key: frozenset(), seats=4, routing=RoutingConfig())
+    fleet.apply([Endpoint("a", "http://a:8000")])
+    # Four batch requests fill "a"'s seats: three of tenant 1, sharing its 100-block system prompt, and one of tenant 2.
+    batch = [chat(1, 1), chat(1, 2), chat(2, 3), chat(1, 4)]
+    registries = [PreemptionRegistry(lambda model: fleet.snapshot().candidates(model), fleet) for _ in range(2)]
+    entries = [[registry.track(MODEL, "a", BATCH, info) for info in batch] for registry in registries]
+    for info in batch:
+        fleet.acquire("a", info)
+    fleet.scrape_started("a")
+    page = ReplicaMetrics(running=4, kv_cache_usage=0.8, block_size=16, num_gpu_blocks=500, scraped_at=1.0,
+                          stale=False)  # 1,536 tokens free: a 102-block prompt of another tenant takes 1,664
+    fleet.scraped("a", ok=True)
+    by_kv, by_seats = registries
+    assert by_kv.preempt(MODEL, INTERACTIVE, chat(3, 9)) == 1
+    # The youngest frees only its question's blocks: tenant 2's request frees its system prompt too.
+    assert [entry.preempted for entry in entries[0]] == [False, False, True, False]
+    assert by_seats.preempt(MODEL, INTERACTIVE) == 1  # a seat alone: the youngest
+    assert [entry.preempted for entry in entries[1]] == [False, False, False, True]
+    # A prompt of tenant 1 takes only its question's blocks beside the system prompt its requests hold there: it
+    # fits, so it needs only a seat, and the youngest gives up its own.
+    by_kv.untrack(entries[0][2])
+    assert by_kv.preempt(MODEL, INTERACTIVE, chat(1, 9)) == 1
+    assert entries[0][3].preempted
 
 
 def test_only_non_streamed_requests_of_a_preemptible_class_may_be_preempted_a_bounded_number_of_times() -> None:

@@ -229,6 +229,13 @@ class Fleet:
         return PromptTokens(whole, {key: max(1, math.ceil(whole - held.shared_tokens(footprint)))
                                     for key, held in self._held.items()})
 
+    def freed_by(self, key: str, requests: Sequence[RequestInfo]) -> float:
+        """The KV cache tokens `key` frees once these of this gateway's requests on it end (HeldKv.freed_by)."""
+        held = self._held.get(key)
+        if held is None:
+            return 0.0
+        return held.freed_by([kv_footprint(request, self._routing) for request in requests])
+
     def _held_tokens(self, key: str) -> float:
         held = self._held.get(key)
         return held.tokens if held is not None else 0.0

@@ -9,7 +9,7 @@ A replica's load is read from its last scrape moved by what the page does not sh
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, TypeVar
@@ -269,12 +269,28 @@ def kv_room(state: EndpointState, tokens: int, reserve: int = 0) -> float:
     together all decide on the same scrape, and a replica with blocks for one must not take them all. Infinite where
     the cache size is unknown or the metrics are stale (no reason to think not).
     """
-    free = _kv_free(state.metrics)
+    free = _kv_free_now(state, tokens)
     if free is None:
         return math.inf
     block = state.metrics.block_size
-    free -= _kv_since(state, tokens) + (_prompt_tokens_held(reserve, block) if reserve else 0)
+    free -= _prompt_tokens_held(reserve, block) if reserve else 0
     return max(0, math.floor(free / _prompt_tokens_held(tokens, block)))
+
+
+def kv_short(state: EndpointState, tokens: int) -> float:
+    """The KV cache tokens the replica must free before a prompt of `tokens` finds its blocks free there (as kv_room
+    counts them); 0 where it does, or where the cache size is unknown or the metrics are stale."""
+    free = _kv_free_now(state, tokens)
+    if free is None:
+        return 0.0
+    return max(0.0, _prompt_tokens_held(tokens, state.metrics.block_size) - free)
+
+
+def _kv_free_now(state: EndpointState, tokens: int) -> float | None:
+    """KV cache tokens free on the replica now for prompts of `tokens` (_kv_free moved by _kv_since); None where the
+    cache size is unknown or the metrics are stale."""
+    free = _kv_free(state.metrics)
+    return None if free is None else free - _kv_since(state, tokens)
 
 
 def kv_seats(state: EndpointState, tokens: int) -> int | None:
@@ -508,15 +524,20 @@ H = TypeVar("H", bound=SeatHolder)
 
 
 def seat_to_free(candidates: Sequence[EndpointState], victims: Mapping[str, Sequence[H]],
-                 preempted: Mapping[str, int]) -> list[H]:
-    """The requests to preempt so that one seat frees up soonest; empty when no replica can free one this way.
+                 preempted: Mapping[str, int], tokens: Tokens = 0,
+                 freed: Callable[[str, Sequence[H]], float] | None = None) -> list[H]:
+    """The requests to preempt so that a request whose prompt takes `tokens` finds a seat, and its KV blocks, free
+    soonest; empty when no replica can free them this way.
 
     `victims` lists each replica's preemptible requests oldest first, `preempted` how many on it already let
     go. On a replica whose seats are known, or else whose KV cache holds a known number of sequences like those
     it runs (kv_slots, filled to the brim), or else which shows a queue (full_at), or else whose peers showed
     their seats (peer_seats), freeing one takes as many of its youngest victims as it holds
-    requests beyond that count, plus one (a request waiting inside it holds no seat). The replica needing the
-    fewest wins, then the one with the youngest victim: the youngest has done the least work, so little is lost.
+    requests beyond that count, plus one (a request waiting inside it holds no seat). Where the prompt's blocks are
+    not free there (kv_short) and `freed` tells the KV cache tokens a set of victims frees (only the blocks no other
+    request holds: a victim whose system prompt another request runs frees its own question's), it takes instead
+    the fewest that free them (_freeing_kv), and none where all of them would not. The replica needing the fewest
+    wins, then the one with the youngest victim: the youngest has done the least work, so little is lost.
     """
     best: tuple[tuple[int, int], list[H]] | None = None
     for state in candidates:
@@ -528,7 +549,28 @@ def seat_to_free(candidates: Sequence[EndpointState], victims: Mapping[str, Sequ
         need = max(1, held - seats + 1)
         if need > len(mine):
             continue
-        order = (need, -mine[-1].seq)
+        short = kv_short(state, _tokens_at(tokens, state.key)) if freed is not None else 0.0
+        chosen = list(mine[-need:]) if not short else _freeing_kv(state.key, mine, need, short, freed)
+        if not chosen:
+            continue
+        order = (len(chosen), -max(holder.seq for holder in chosen))
         if best is None or order < best[0]:
-            best = (order, list(mine[-need:]))
+            best = (order, chosen)
     return [] if best is None else best[1]
+
+
+def _freeing_kv(key: str, victims: Sequence[H], need: int, short: float,
+                freed: Callable[[str, Sequence[H]], float]) -> list[H]:
+    """The fewest of `victims` on replica `key`, at least `need`, that free `short` KV cache tokens between them, the
+    youngest last one that does; empty when all of them do not.
+
+    How many: those that free the most alone, taken in turn until they free enough. Which: all but the last of those,
+    and the youngest victim that frees enough beside them (a younger one has done less work, so less is lost)."""
+    ranked = sorted(victims, key=lambda holder: (freed(key, [holder]), holder.seq), reverse=True)
+    count = next((count for count in range(need, len(ranked) + 1) if freed(key, ranked[:count]) >= short), None)
+    if count is None:
+        return []
+    base = ranked[:count - 1]
+    last = next(holder for holder in reversed(victims)
+                if holder not in base and freed(key, [*base, holder]) >= short)
+    return [*base, last]

@@ -10,9 +10,10 @@ prefix keys, so that the change since a replica's last scrape is what the engine
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
-from itertools import repeat
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain, repeat
 
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.cost import prompt_tokens, tokens_per_block
@@ -66,6 +67,18 @@ class HeldKv:
         popped = list(map(refs.pop, blocks[kept:], repeat(None)))
         freed = len(popped) - popped.count(None)
         self.tokens = max(0.0, self.tokens - freed * footprint.block_tokens - footprint.own_tokens)
+
+    def freed_by(self, footprints: Sequence[KvFootprint]) -> float:
+        """The KV tokens free once the in-flight requests with `footprints` end: the blocks no other request holds,
+        and each one's own tokens."""
+        theirs = Counter(chain.from_iterable(footprint.blocks for footprint in footprints))
+        freed, counted = 0.0, set()
+        for footprint in footprints:
+            alone = [block for block in footprint.blocks
+                     if block not in counted and self._refs.get(block, 0) <= theirs[block]]
+            counted.update(alone)
+            freed += len(alone) * footprint.block_tokens + footprint.own_tokens
+        return freed
 
     def shared_tokens(self, footprint: KvFootprint) -> float:
         """The tokens of the leading prefix blocks of a request with `footprint` that requests in flight hold already:

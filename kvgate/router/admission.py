@@ -215,7 +215,7 @@ class AdmissionQueue:
         queues = self._queues[model]
         top = next(rank for rank, queue in enumerate(queues) if queue)
         if self._may_preempt(model, top) and len(queues[top]) > self._preemption.freeing(model):
-            self._preemption.preempt(model, top)
+            self._preemption.preempt(model, top, queues[top].peek().info)
 
     def _alone(self, model: str, rank: int) -> bool:
         """Whether no class but `rank` sent a request of `model` within `reserve_idle_s`."""

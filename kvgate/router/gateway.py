@@ -95,7 +95,7 @@ class Gateway:
         self.fleet = Fleet(self.scraper.metrics, self.models.models, seats=config.saturation.seats,
                            kv_full=config.saturation.kv_cache,
                            peers=config.shares_decisions, routing=config.routing)
-        self.preemption = PreemptionRegistry(self._candidates) if config.admission.preemptible else None
+        self.preemption = PreemptionRegistry(self._candidates, self.fleet) if config.admission.preemptible else None
         self.admission = AdmissionQueue(config.admission, config.priorities, self._room, self.metrics,
                                         self.preemption, held_with_room=self._held_with_room,
                                         prompt_tokens=functools.partial(prompt_tokens, config=config.routing))

@@ -3,8 +3,9 @@
 A non-streamed request of a preemptible class (batch, by default) gets nothing from its replica until its
 whole answer is ready, so until then the gateway may cancel it (vLLM aborts a request whose connection
 closes) and queue it again at the head of its class: its client sees only a later answer. kvgate lets such
-requests fill every seat, and when an interactive request finds none free it preempts the youngest one on
-the replica where that frees a seat soonest (kvgate.policies.capacity.seat_to_free).
+requests fill every seat, and when an interactive request finds none free it preempts the youngest ones on
+the replica where that frees a seat, and the KV blocks its prompt takes, soonest
+(kvgate.policies.capacity.seat_to_free).
 """
 
 from __future__ import annotations
@@ -14,12 +15,25 @@ import itertools
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from kvgate.endpoints.types import EndpointState
-from kvgate.policies.capacity import seat_to_free
+from kvgate.policies.capacity import Tokens, seat_to_free
+from kvgate.policies.types import RequestInfo
 
 T = TypeVar("T")
+
+
+class HeldKvCache(Protocol):
+    """What this gateway's requests hold of each replica's KV cache (the Fleet)."""
+
+    def prompt_tokens(self, request: RequestInfo) -> Tokens:
+        """The KV cache tokens `request`'s prompt takes on each replica."""
+        ...
+
+    def freed_by(self, key: str, requests: Sequence[RequestInfo]) -> float:
+        """The KV cache tokens `key` frees once these requests on it end."""
+        ...
 
 
 class Preempted(Exception):
@@ -42,6 +56,7 @@ class Preemptible:
     replica: str
     rank: int  # its class, 0 = most important
     seq: int  # order of sending: the highest is the youngest
+    info: RequestInfo | None = None  # the request (None: unknown; it counts as freeing no KV cache)
     signal: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     freeing: _Freeing | None = None
 
@@ -54,25 +69,27 @@ class Preemptible:
 class PreemptionRegistry:
     """The preemptible requests on each replica, oldest first, and the preemptions still freeing a seat."""
 
-    def __init__(self, candidates: Callable[[str], Sequence[EndpointState]]) -> None:
+    def __init__(self, candidates: Callable[[str], Sequence[EndpointState]], kv: HeldKvCache | None = None) -> None:
         self._candidates = candidates  # model -> the replicas that may take it now
+        self._kv = kv  # None: victims are chosen by seats alone
         self._on_replica: dict[str, list[Preemptible]] = {}
         self._freeing: Counter[str] = Counter()  # model -> preemptions whose seat is not free yet
         self._seq = itertools.count()
 
-    def track(self, model: str, replica: str, rank: int) -> Preemptible:
-        """Register a preemptible request just sent to `replica`."""
-        entry = Preemptible(model, replica, rank, next(self._seq))
+    def track(self, model: str, replica: str, rank: int, info: RequestInfo | None = None) -> Preemptible:
+        """Register a preemptible request (`info`) just sent to `replica`."""
+        entry = Preemptible(model, replica, rank, next(self._seq), info=info)
         self._on_replica.setdefault(replica, []).append(entry)
         return entry
 
-    async def unless_preempted(self, model: str, replica: str, rank: int, answer: Awaitable[T]) -> T:
+    async def unless_preempted(self, model: str, replica: str, rank: int, answer: Awaitable[T],
+                               info: RequestInfo | None = None) -> T:
         """Await a request's `answer` from `replica` while a more important request may take its seat.
 
         If one does first, the request is cancelled (vLLM aborts a request whose connection closes) and
         Preempted is raised. Either way it stops being preemptible once this returns.
         """
-        entry = self.track(model, replica, rank)
+        entry = self.track(model, replica, rank, info)
         task = asyncio.ensure_future(answer)
         try:
             await asyncio.wait((task, entry.signal), return_when=asyncio.FIRST_COMPLETED)
@@ -112,8 +129,9 @@ class PreemptionRegistry:
     def _victims(self, replica: str, rank: int) -> list[Preemptible]:
         return [entry for entry in self._on_replica.get(replica, ()) if entry.rank > rank and not entry.preempted]
 
-    def preempt(self, model: str, rank: int) -> int:
-        """Free one seat for a request of `model` and class `rank`; returns how many requests it preempted (0: none).
+    def preempt(self, model: str, rank: int, request: RequestInfo | None = None) -> int:
+        """Free one seat for a request of `model` and class `rank`, and the KV blocks `request`'s prompt takes (None:
+        a seat alone); returns how many requests it preempted (0: none).
 
         Which ones is kvgate.policies.capacity.seat_to_free's choice.
         """
@@ -121,7 +139,13 @@ class PreemptionRegistry:
         victims = {state.key: self._victims(state.key, rank) for state in candidates}
         preempted = {state.key: sum(1 for entry in self._on_replica.get(state.key, ()) if entry.preempted)
                      for state in candidates}
-        chosen = seat_to_free(candidates, victims, preempted)
+        kv = self._kv
+        if kv is None or request is None:
+            chosen = seat_to_free(candidates, victims, preempted)
+        else:
+            chosen = seat_to_free(candidates, victims, preempted, kv.prompt_tokens(request),
+                                  lambda key, entries: kv.freed_by(key, [entry.info for entry in entries
+                                                                         if entry.info is not None]))
         if not chosen:
             return 0
         freeing = _Freeing(model, len(chosen))

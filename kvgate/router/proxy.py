@@ -107,7 +107,8 @@ class Forwarder:
         try:
             opening = self._open(target, http, request, headers)
             if self._preemption is not None and preemptible_rank is not None:
-                opening = self._preemption.unless_preempted(request.model, key, preemptible_rank, opening)
+                opening = self._preemption.unless_preempted(request.model, key, preemptible_rank, opening,
+                                                              request.info)
             upstream, prefetched = await opening
             return await self._relay(http, upstream, prefetched, outcome)
         finally:

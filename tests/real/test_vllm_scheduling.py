@@ -138,3 +138,56 @@ async def test_a_prompt_is_admitted_once_blocks_for_all_of_it_are_free_as_the_si
         core.complete_step(now=float(steps))
         steps += 1
     assert holder.finished and steps == 301  # the holder's prefill and 299 more tokens, then the long prompt
+
+
+async def test_requests_sharing_a_prefix_hold_its_blocks_once_as_the_simulator_does(fresh_engines):
+    """vLLM holds a prompt block once however many running requests share it, as kvgate's KV accounting counts it
+    (policies/held_kv.py). Two requests share a 2,048-token prefix (16 blocks of 128), each with 256 tokens of its
+    own and a 300-token answer: together they come to hold 16 + 2 x (2 + 3) = 26 of the 48 blocks, so a distinct
+    2,000-token prompt (16 blocks) is admitted beside them at once. Held twice, they would hold 40 to 42 blocks and
+    it would wait for one to finish, as a prompt does behind two distinct ones (the test above)."""
+    engine = fresh_engines[0]
+    prefix = [100] + [(13 * j) % 3800 + 150 for j in range(2047)]
+    first, second = (prefix + [(7 * j + 29 * k) % 3800 + 150 for j in range(256)] for k in (1, 2))
+    distinct = [101] + [(37 * j) % 3800 + 150 for j in range(1999)]
+
+    def body(prompt: list[int], answer: int) -> dict:
+        return {"model": MODEL, "prompt": prompt, "max_tokens": answer, "stream": True, "ignore_eos": True}
+
+    async with aiohttp.ClientSession() as session:
+        first_token = asyncio.Event()
+
+        async def stream_first() -> int:
+            async with session.post(engine.url + "/v1/completions", json=body(first, 300)) as response:
+                await response.content.readline()
+                first_token.set()  # its prompt is prefilled and its blocks cached: the second finds them
+                await response.read()
+                return response.status
+
+        holder = asyncio.create_task(stream_first())
+        await asyncio.wait_for(first_token.wait(), timeout=60)
+        async with paused(session, engine):
+            tasks = await send_in_order(session, engine.url + "/v1/completions",
+                                        [(body(second, 300), {}), (body(distinct, 4), {})])
+        statuses = await asyncio.gather(holder, *tasks)
+        scheduled = await scheduling_steps(engine, {tuple(second[2048:2176]): "second",
+                                                    tuple(distinct[:128]): "distinct"})
+    assert set(statuses) == {200}, statuses
+    assert scheduled.keys() == {"second", "distinct"}, scheduled
+    assert scheduled["distinct"] <= scheduled["second"] + 2, scheduled  # in the steps that prefill the second
+
+    core = EngineCore(SimOptions(max_num_batched_tokens=2048, block_size=128, num_gpu_blocks=48, max_model_len=4096))
+    sequences = [Sequence(tokens=TokenSeq.from_ids(prompt), max_tokens=answer, arrival_time=0.0)
+                 for prompt, answer in ((first, 300), (second, 300), (distinct, 4))]
+    core.add(sequences[0])
+    while not sequences[0].output_ids:
+        core.schedule()
+        core.complete_step(now=0.0)
+    core.add(sequences[1])
+    core.add(sequences[2])
+    steps = 0
+    while sequences[2].num_computed == 0:
+        core.schedule()
+        core.complete_step(now=float(steps))
+        steps += 1
+    assert steps <= 2 and not sequences[0].finished
