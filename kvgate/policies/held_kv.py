@@ -87,5 +87,11 @@ class HeldKv:
 
     @staticmethod
     def _leading(blocks: tuple[int, ...], held: Callable[[int], bool]) -> int:
-        """How many of `blocks`, from the first, satisfy `held` (which, along chained blocks, holds for a leading run)."""
-        return bisect.bisect_left(range(len(blocks)), True, key=lambda index: not held(blocks[index]))
+        """How many of `blocks`, from the first, satisfy `held` (which, along chained blocks, holds for a leading run).
+        Most prompts share none or all of theirs: the ends are asked first."""
+        if not blocks or not held(blocks[0]):
+            return 0
+        if held(blocks[-1]):
+            return len(blocks)
+        return bisect.bisect_left(range(len(blocks)), True, 1, len(blocks) - 1,
+                                  key=lambda index: not held(blocks[index]))

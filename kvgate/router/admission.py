@@ -186,8 +186,9 @@ class AdmissionQueue:
         now = self._clock()
         self._last_seen.setdefault(info.model, [-math.inf] * len(self._classes))[rank] = now
         if self._prompt_tokens is not None and rank < len(self._classes) - 1:
-            largest = self._largest.setdefault(
-                info.model, [RecentMax(self._config.reserve_idle_s) for _ in self._classes])
+            largest = self._largest.get(info.model)
+            if largest is None:
+                largest = self._largest[info.model] = [RecentMax(self._config.reserve_idle_s) for _ in self._classes]
             largest[rank].observe(now, self._prompt_tokens(info))
 
     def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
