@@ -194,15 +194,17 @@ class AdmissionQueue:
     def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
         """Where class `rank` of `model` stands against the other classes now."""
         yields, alone = self._yields(model, rank), self._alone(model, rank)
-        now = self._clock()
-        kv_reserve = max((largest.largest(now) for largest in self._largest.get(model, ())[:rank]),
-                         default=0) if yields else 0
         # Whether it may preempt matters only to a class that would probe (alone, yielding to none): ask only then,
         # since it walks every replica's preemptible requests.
         return ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0), yields=yields,
                              preemptible=preemptible, alone=alone,
                              may_preempt=alone and not yields and self._may_preempt(model, rank),
-                             kv_reserve=kv_reserve)
+                             kv_reserve=self._largest_above(model, rank) if yields else 0)
+
+    def _largest_above(self, model: str, rank: int) -> int:
+        """The largest prompt a class more important than `rank` sent within `reserve_idle_s` (0: none)."""
+        now = self._clock()
+        return max((largest.largest(now) for largest in self._largest.get(model, ())[:rank]), default=0)
 
     def _may_preempt(self, model: str, rank: int) -> bool:
         """Whether a request of class `rank` could take the seat of a less important one now."""
