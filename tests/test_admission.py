@@ -323,29 +323,6 @@ async def test_batch_leaves_kv_room_for_the_largest_interactive_prompt_of_the_la
     assert kept == [0, 0, 1600, 100]  # interactive leaves none; batch the largest interactive prompt in the window
 
 
-async def test_batch_counts_interactive_arrivals_against_the_requests_that_end() -> None:
-    now = [0.0]
-    loads: list[float] = []
-
-    def room(request: RequestInfo, standing: ClassStanding) -> float:
-        loads.append(standing.kv_load)
-        return 1.0
-
-    queue = AdmissionQueue(AdmissionConfig(reserve_idle_s=10.0), PriorityConfig(), room, GatewayMetrics(),
-                           clock=lambda: now[0], prompt_tokens=lambda request: request.prompt_chars // 4)
-    await admit(queue, dataclasses.replace(info("interactive"), prompt_chars=6400))
-    await admit(queue, info("batch"))
-    assert loads[-1] == 0.0  # nothing ended yet: unknown
-    for tick in range(1, 101):  # 20 s of 3 interactive arrivals and 5 ends a second
-        now[0] = tick * 0.2
-        if tick % 5 in (0, 2, 4):
-            await admit(queue, dataclasses.replace(info("interactive"), prompt_chars=6400))
-        queue.release("m")
-    await admit(queue, info("batch"))
-    assert loads[-1] == pytest.approx(0.6, rel=0.05)
-    assert not any(loads[2:-1])  # interactive yields to no class: it keeps no KV room
-
-
 async def test_the_minimum_share_of_batch_may_use_the_reserve() -> None:
     now = [0.0]
     room = Room(0, reserved=1)

@@ -11,8 +11,7 @@ import pytest
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
 from kvgate.policies.capacity import (ClassStanding, PromptTokens, SaturationThresholds, SeatLearner, first_to_fill, has_room,
-                                      kv_room, kv_seats, kv_slots, kv_usage, occupied, peer_seats, prompts_kept,
-                                      room_for,
+                                      kv_room, kv_seats, kv_slots, kv_usage, occupied, peer_seats, room_for,
                                       seat_to_free, with_room)
 from kvgate.policies.cost import requests_ahead
 from kvgate.policies.rendezvous import retry_order
@@ -288,12 +287,6 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_changed_since_the_s
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), leaving, tokens=1700) == 0
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9),
                     dataclasses.replace(leaving, preemptible=True), tokens=1700) == 1
-    # As many such prompts as that class's arrivals against the requests that end call for (prompts_kept): on three
-    # replicas with 3,072 tokens free each, one prompt kept leaves room for a 1,500-token one, two for a short one only.
-    fleet, limits = [cache(3, 0.61)] * 3, SaturationThresholds(kv_cache=0.9)
-    assert room_for(fleet, limits, dataclasses.replace(leaving, kv_load=0.1), tokens=1500) == 3
-    assert room_for(fleet, limits, dataclasses.replace(leaving, kv_load=0.6), tokens=1500) == 0
-    assert room_for(fleet, limits, dataclasses.replace(leaving, kv_load=0.6), tokens=100) == 3
     # A prompt whose system prompt a request in flight there holds takes only its question's blocks.
     full = [cache(4, 0.81)]
     assert room_for(full, SaturationThresholds(kv_cache=0.9), ClassStanding(alone=False),
@@ -306,14 +299,6 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_changed_since_the_s
     assert room_for([cache(4, 0.81)], SaturationThresholds(kv_cache=1.0), mixed, tokens=1500) == 5  # never full
     # Requests released together decide on one scrape: a replica with blocks for two takes two, not its queue's five.
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), mixed, tokens=1500) == 2
-
-
-def test_the_kv_room_kept_for_a_more_important_class_grows_with_its_share_of_the_requests_that_end() -> None:
-    assert prompts_kept(0.0, 3) == 1  # nothing ended lately: one prompt's room
-    assert prompts_kept(0.1, 3) == 1
-    assert prompts_kept(0.6, 3) == 2  # it sends 60 % of what the fleet serves
-    assert prompts_kept(0.6, 1) == 4  # one replica: its room comes back only as fast as its own requests end
-    assert prompts_kept(0.6, 30) == 1  # pooled over many replicas, one prompt on each turns away few
 
 
 def test_the_replicas_with_room_are_those_a_request_of_the_class_fits() -> None:

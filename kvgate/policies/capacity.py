@@ -17,9 +17,6 @@ from typing import Protocol, TypeVar
 from kvgate.endpoints.types import EndpointState, ReplicaMetrics
 
 _GROWTH = 0.1  # share of its running count a replica of unknown seats may gain per scrape (growth_step)
-# Share of a more important class's requests that may find none of the KV room kept for them (prompts_kept): those wait
-# for a less important request to end, so beyond a hundredth they reach the class's TTFT p99.
-KV_BLOCKING = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,18 +33,6 @@ class PromptTokens:
 
 
 Tokens = int | PromptTokens  # a prompt's length, the same on every replica, or what it takes on each
-
-
-@dataclass(frozen=True, slots=True)
-class KvReserve:
-    """The KV room a class leaves free on each replica for a more important class: `prompts` prompts of `tokens`."""
-
-    tokens: int = 0
-    prompts: int = 1
-
-    def held(self, block: int) -> int:
-        """The KV cache tokens kept free, each prompt with its whole blocks and one to grow by (0: none kept)."""
-        return self.prompts * _prompt_tokens_held(self.tokens, block) if self.tokens else 0
 
 
 def _tokens_at(tokens: Tokens, key: str) -> int:
@@ -209,8 +194,7 @@ def _probe(limits: SaturationThresholds) -> int:
 
 
 def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresholds, reserve: float = 0.0,
-                   probe: bool = True, yields: bool = False, tokens: Tokens = 0,
-                   kv_reserve: KvReserve = KvReserve()) -> float:
+                   probe: bool = True, yields: bool = False, tokens: Tokens = 0, kv_reserve: int = 0) -> float:
     """Requests the candidates take before every one is saturated; 0 means the fleet is saturated.
 
     `reserve` is the share of the candidates' seats (known, or likely from their peers') that must stay free for
@@ -220,7 +204,8 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
     past its last scrape, one replica at a time (first_to_fill), so that its requests never make a queue that
     others wait behind. A class that does not probe finds no room where a prompt of `tokens` (0 = not asked)
-    would wait for KV blocks (kv_room), beside the room `kv_reserve` keeps for a more important class.
+    would wait for KV blocks (kv_room), beside room for a prompt of `kv_reserve` tokens kept for a more important
+    class.
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
@@ -243,10 +228,10 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
 
 
 def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: Tokens = 0,
-             first: str | None = None, kv_reserve: KvReserve = KvReserve()) -> bool:
+             first: str | None = None) -> bool:
     """Whether one replica takes one more request of a class so standing, its reserve aside (`tokens` as in
-    fleet_headroom, `first` the key first_to_fill() gives for its candidates, `kv_reserve` the KV room it keeps)."""
-    return _room_on(state, limits, standing.probes, standing.yields, tokens, first, kv_reserve) >= 1
+    fleet_headroom, `first` the key first_to_fill() gives for its candidates)."""
+    return _room_on(state, limits, standing.probes, standing.yields, tokens, first, standing.kept_kv_reserve) >= 1
 
 
 def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
@@ -254,9 +239,8 @@ def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds,
     """The keys of the candidates (of those in `among`, when given) that take one more request of a class so
     standing (has_room)."""
     first = first_to_fill(candidates) if standing.yields else None
-    kv_reserve = standing.kept_kv_room(len(candidates))
     return frozenset(state.key for state in candidates if (among is None or state.key in among)
-                     and has_room(state, limits, standing, tokens, first, kv_reserve))
+                     and has_room(state, limits, standing, tokens, first))
 
 
 def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
@@ -275,9 +259,9 @@ def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
     return min((state.key for state in candidates if not state.metrics.stale and not state.filled), default=None)
 
 
-def kv_room(state: EndpointState, tokens: int, reserve: KvReserve = KvReserve()) -> float:
+def kv_room(state: EndpointState, tokens: int, reserve: int = 0) -> float:
     """How many prompts of `tokens` find KV blocks free on the replica now, as far as its last fresh scrape tells,
-    beside the blocks `reserve` keeps free for a more important class.
+    beside the blocks of a prompt of `reserve` tokens (0: none) kept free for a more important class.
 
     vLLM starts a request only once the blocks of its whole prompt are free. Free here is the scraped free share of
     the cache, less a block for each running sequence to grow by, less what the replica holds beyond that reading
@@ -289,7 +273,8 @@ def kv_room(state: EndpointState, tokens: int, reserve: KvReserve = KvReserve())
     if free is None:
         return math.inf
     block = state.metrics.block_size
-    return max(0, math.floor((free - reserve.held(block)) / _prompt_tokens_held(tokens, block)))
+    free -= _prompt_tokens_held(reserve, block) if reserve else 0
+    return max(0, math.floor(free / _prompt_tokens_held(tokens, block)))
 
 
 def kv_short(state: EndpointState, tokens: int) -> float:
@@ -334,7 +319,7 @@ def _prompt_tokens_held(tokens: int, block: int) -> int:
 
 
 def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yields: bool, tokens: Tokens,
-             first: str | None = None, kv_reserve: KvReserve = KvReserve()) -> float:
+             first: str | None = None, kv_reserve: int = 0) -> float:
     """headroom() of one replica; for a class that does not probe, at most as many as the KV blocks its prompt takes
     there are free for (kv_room; unless `kv_cache` is 1.0: the operator said the KV cache never saturates);
     for a class that yields, while the replica's seats are unknown, at most growth_step() past its last scrape
@@ -404,7 +389,6 @@ class ClassStanding:
     may_preempt: bool = False  # it could take the seat of a less important request now
     alone: bool = True  # no other class sent traffic recently: nobody's order depends on where it waits
     kv_reserve: int = 0  # prompt tokens it leaves KV room for on each replica: a more important class's largest lately
-    kv_load: float = 0.0  # requests of the more important classes that arrived lately for each that ended (0: unknown)
 
     @property
     def kept_reserve(self) -> float:
@@ -416,11 +400,6 @@ class ClassStanding:
         """The KV room it leaves now for a more important class's prompt (kv_reserve), as kept_reserve: none when
         preemptible, since it gives its blocks up on demand."""
         return self.kv_reserve if self.yields and not self.preemptible else 0
-
-    def kept_kv_room(self, replicas: int) -> KvReserve:
-        """The KV room it leaves now on each of `replicas` replicas: prompts_kept() prompts of kept_kv_reserve tokens."""
-        tokens = self.kept_kv_reserve
-        return KvReserve(tokens, prompts_kept(self.kv_load, replicas)) if tokens else KvReserve()
 
     @property
     def probes(self) -> bool:
@@ -444,26 +423,7 @@ def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, 
     if not candidates:
         return float("inf")
     return fleet_headroom(candidates, limits, standing.kept_reserve, standing.probes, standing.yields, tokens,
-                          standing.kept_kv_room(len(candidates)))
-
-
-def prompts_kept(load: float, replicas: int, blocking: float = KV_BLOCKING) -> int:
-    """Prompts of a more important class each of `replicas` replicas keeps KV room for, so that at most `blocking` of
-    its requests find none free and wait for a less important request to end; one while `load` is unknown (0).
-
-    Its requests arrive at `load` for each request that ends. One takes a prompt's room on whichever replica has it,
-    and the room comes back when a request ends there, after replicas / ends on average: the kept room is a pool of
-    servers offered `load` x `replicas`, and Erlang's loss formula gives the fewest that turn away at most `blocking`,
-    spread evenly over the replicas. A class that sends a large share of what the fleet serves, or a fleet of few
-    replicas, needs more than one prompt's room on each (`load` 0.6 on 3 replicas: 2, on 1 replica: 4).
-    """
-    if load <= 0 or replicas <= 0:
-        return 1
-    offered, servers, loss = load * replicas, 0, 1.0
-    while loss > blocking:
-        servers += 1
-        loss = offered * loss / (servers + offered * loss)
-    return max(1, math.ceil(servers / replicas))
+                          standing.kept_kv_reserve)
 
 
 def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:

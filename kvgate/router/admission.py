@@ -7,8 +7,7 @@ they are saturated (kvgate.policies.capacity.room_for, which counts what was sen
 scrape), less those already released but not yet sent. While a more important class has traffic, a class with
 a reserve leaves that share of every replica's seats free for it, so an interactive request finds a seat at
 once instead of waiting for a batch request to finish, and, where a replica's KV cache size is known, KV blocks
-free on every replica for the largest prompt the more important class sent lately, as many of them as its arrivals
-against the requests that end call for (kvgate.policies.capacity.prompts_kept). A request of a preemptible
+free on every replica for the largest prompt the more important class sent lately. A request of a preemptible
 class that can be
 preempted (router/preemption.py) keeps no reserve: when a more important request finds no free seat, one
 such request gives up its own and waits here again, at the head of its class. Lower classes get a minimum
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 
 from kvgate.policies.capacity import ClassStanding
 from kvgate.policies.priorities import PriorityConfig
-from kvgate.policies.recent_count import RecentCount
 from kvgate.policies.recent_max import RecentMax
 from kvgate.policies.types import RequestInfo
 from kvgate.router.errors import GatewayError
@@ -104,9 +102,6 @@ class AdmissionQueue:
         self._prompt_tokens = prompt_tokens  # a request's prompt length in tokens; None: no KV room kept for classes
         # model -> each class's largest prompt within reserve_idle_s: the KV room the classes below it leave
         self._largest: dict[str, list[RecentMax]] = {}
-        # model -> each class's arrivals, and the requests that ended, lately: how many prompts' room to leave
-        self._arrived: dict[str, list[RecentCount]] = {}
-        self._ended: dict[str, RecentCount] = {}
         self._count = 0
         self._bytes = 0
 
@@ -160,11 +155,6 @@ class AdmissionQueue:
 
     def release(self, model: str) -> None:
         """A request of `model` finished: its replica may have room again."""
-        if self._prompt_tokens is not None:
-            ended = self._ended.get(model)
-            if ended is None:
-                ended = self._ended[model] = RecentCount(self._config.reserve_idle_s)
-            ended.add(self._clock())
         self._dispatch(model)
 
     def refresh(self) -> None:
@@ -198,32 +188,23 @@ class AdmissionQueue:
         if self._prompt_tokens is not None and rank < len(self._classes) - 1:
             largest = self._largest.get(info.model)
             if largest is None:
-                window = self._config.reserve_idle_s
-                largest = self._largest[info.model] = [RecentMax(window) for _ in self._classes]
-                self._arrived[info.model] = [RecentCount(window) for _ in self._classes]
+                largest = self._largest[info.model] = [RecentMax(self._config.reserve_idle_s) for _ in self._classes]
             largest[rank].observe(now, self._prompt_tokens(info))
-            self._arrived[info.model][rank].add(now)
 
     def _standing(self, model: str, rank: int, preemptible: bool) -> ClassStanding:
         """Where class `rank` of `model` stands against the other classes now."""
         yields, alone = self._yields(model, rank), self._alone(model, rank)
-        kv_reserve, kv_load = self._kv_reserve(model, rank) if yields else (0, 0.0)
         # Whether it may preempt matters only to a class that would probe (alone, yielding to none): ask only then,
         # since it walks every replica's preemptible requests.
         return ClassStanding(reserve=self._config.reserve.get(self._classes[rank], 0.0), yields=yields,
                              preemptible=preemptible, alone=alone,
                              may_preempt=alone and not yields and self._may_preempt(model, rank),
-                             kv_reserve=kv_reserve, kv_load=kv_load)
+                             kv_reserve=self._largest_above(model, rank) if yields else 0)
 
-    def _kv_reserve(self, model: str, rank: int) -> tuple[int, float]:
-        """ClassStanding's KV reserve for class `rank`: the largest prompt a more important class sent within
-        `reserve_idle_s` (0: none), and how many such classes' requests arrived lately for each request that ended
-        (0: none ended)."""
+    def _largest_above(self, model: str, rank: int) -> int:
+        """The largest prompt a class more important than `rank` sent within `reserve_idle_s` (0: none)."""
         now = self._clock()
-        largest = max((recent.largest(now) for recent in self._largest.get(model, ())[:rank]), default=0)
-        ended = self._ended[model].count(now) if largest and model in self._ended else 0.0
-        arrived = sum(recent.count(now) for recent in self._arrived[model][:rank]) if ended else 0.0
-        return largest, arrived / ended if ended else 0.0
+        return max((largest.largest(now) for largest in self._largest.get(model, ())[:rank]), default=0)
 
     def _may_preempt(self, model: str, rank: int) -> bool:
         """Whether a request of class `rank` could take the seat of a less important one now."""
