@@ -145,7 +145,7 @@ class AsyncEngine:
         core, metrics = self.core, self._metrics
         step_start = loop.time()
         while True:
-            step = core.schedule()
+            step = core.schedule(loop.time())
             self._publish_events()
             metrics.publish(core)
             if not core.running:
