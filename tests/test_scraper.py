@@ -276,14 +276,6 @@ def test_finished_requests_and_their_prompt_tokens_are_read_from_a_real_page() -
     assert parse_vllm_metrics(page, 1.0).finished_requests is None  # not exported: nothing to learn from
 
 
-def test_the_seconds_finished_requests_spent_in_the_scheduler_are_read_from_a_real_page() -> None:
-    metrics = parse_vllm_metrics(REAL_PAGE.read_text(), 1.0)
-    assert metrics.scheduled_requests == 8  # one engine: 8 finished, 24.46 s running and 0.26 ms waiting between them
-    assert metrics.scheduled_seconds == pytest.approx(24.461473133 + 0.000263660)
-    page = "\n".join(line for line in REAL_PAGE.read_text().splitlines() if "queue_time" not in line)
-    assert parse_vllm_metrics(page, 1.0).scheduled_seconds is None  # half the time is no time: not exported
-
-
 def test_engine_steps_are_read_from_the_iteration_histogram_of_a_real_page() -> None:
     assert parse_vllm_metrics(REAL_PAGE.read_text(), 1.0).engine_steps == 677  # one engine, 677 steps
     page = "\n".join(line for line in REAL_PAGE.read_text().splitlines() if "iteration_tokens" not in line)

@@ -14,7 +14,6 @@ from kvgate.policies.capacity import PromptTokens, SeatLearner, peer_seats
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.cost import prompt_tokens
 from kvgate.policies.held_kv import HeldKv, kv_footprint
-from kvgate.policies.scheduler_share import SchedulerShares
 from kvgate.policies.token_rate import PromptTokenRates, fleet_rate
 from kvgate.policies.traffic_view import TrafficView
 from kvgate.policies.types import RequestInfo
@@ -54,7 +53,6 @@ class Fleet:
         self._configured_seats = seats  # every replica's --max-num-seqs when the operator gave it; 0 = learn
         self._seats = SeatLearner(kv_full)
         self._token_rates = PromptTokenRates()
-        self._scheduler_shares = SchedulerShares()
         self._traffic = TrafficView(peers)  # peers: gateways sharing their decisions with this one
         self._set_listeners: list[EndpointsListener] = []
         self._removal_listeners: list[RemovalListener] = []
@@ -92,7 +90,6 @@ class Fleet:
                 kept.pop(key, None)
             self._seats.forget(key)
             self._token_rates.forget(key)
-            self._scheduler_shares.forget(key)
             self._traffic.forget(key)
             for listener in self._removal_listeners:
                 listener(key)
@@ -130,7 +127,6 @@ class Fleet:
         metrics = self._metrics(key)
         return EndpointState(endpoint=endpoint, metrics=metrics, in_flight=self._in_flight[key], models=models,
                              healthy=self.health.healthy(key), recent=self._recent[key],
-                             scheduler_share=self._scheduler_shares.share(key),
                              grown=self._in_flight[key] - self._open_at_page.get(key, 0),
                              kv_grown=self._held_tokens(key) - self._held_at_page.get(key, 0.0),
                              elsewhere=self._elsewhere[key],
@@ -170,7 +166,6 @@ class Fleet:
             if learned is not None:
                 log.info("replica seats learned key=%s seats=%d", key, learned)
             self._token_rates.scraped(key, metrics.finished_requests, metrics.finished_prompt_tokens)
-            self._scheduler_shares.scraped(key, metrics.scheduled_requests, metrics.scheduled_seconds)
             self._follow_traffic(key, metrics, open_at_start)
 
     def _follow_traffic(self, key: str, metrics: ReplicaMetrics, open_requests: int) -> None:
@@ -218,11 +213,9 @@ class Fleet:
         if self._in_flight[key] <= 0:
             del self._in_flight[key]
 
-    def answered(self, key: str, prompt_chars: int, seconds: float) -> None:
-        """`key` answered a request whose prompt was `prompt_chars` characters to the end, `seconds` after it was sent
-        there (PromptTokenRates, SchedulerShares)."""
+    def answered(self, key: str, prompt_chars: int) -> None:
+        """`key` answered a request whose prompt was `prompt_chars` characters to the end (PromptTokenRates)."""
         self._token_rates.answered(key, prompt_chars)
-        self._scheduler_shares.answered(key, seconds)
 
     def chars_per_token(self, model: str) -> float | None:
         """Prompt characters per token on the replicas serving `model` (the median of those learned); None until

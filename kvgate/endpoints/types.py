@@ -41,11 +41,6 @@ class ReplicaMetrics:
     # exported
     finished_requests: int | None = None
     finished_prompt_tokens: int | None = None
-    # requests it finished so far and the seconds they spent in its scheduler, waiting and running
-    # (vllm:request_inference_time_seconds' count, with the sums of it and vllm:request_queue_time_seconds), None if not
-    # exported
-    scheduled_requests: int | None = None
-    scheduled_seconds: float | None = None
     scraped_at: float | None = None  # clock value of the last successful scrape, None if never
     stale: bool = True  # the last scrape failed, was late, or never happened
 
@@ -70,7 +65,6 @@ class EndpointState:
     models: frozenset[str] = frozenset()  # served models and adapters; empty while unknown
     healthy: bool = True  # passive health: False while its circuit breaker is open
     recent: int = 0  # requests sent minus requests finished since the replica's last successful scrape
-    scheduler_share: float = 1.0  # share of this gateway's open requests there that its scheduler holds (learned)
     # requests this gateway has open on it now less those it had open when that scrape started: the net growth
     # since the page (a request that replaced one finished while the scrape was in flight is no growth)
     grown: int = 0

@@ -20,11 +20,7 @@ LORA_INFO = "vllm:lora_requests_info"
 STEPS = "vllm:iteration_tokens_total_count"  # one observation per engine step
 FINISHED = "vllm:request_prompt_tokens_count"  # one observation per finished request ...
 PROMPT_TOKENS = "vllm:request_prompt_tokens_sum"  # ... of its prompt's length in tokens
-SCHEDULED = "vllm:request_inference_time_seconds_count"  # one observation per finished request ...
-RUNNING_SECONDS = "vllm:request_inference_time_seconds_sum"  # ... of its time running in the scheduler
-QUEUED_SECONDS = "vllm:request_queue_time_seconds_sum"  # ... and waiting in it
-_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS, FINISHED, PROMPT_TOKENS,
-           SCHEDULED, RUNNING_SECONDS, QUEUED_SECONDS)
+_WANTED = (KV_USAGE, LEGACY_KV_USAGE, RUNNING, WAITING, CACHE_CONFIG, LORA_INFO, STEPS, FINISHED, PROMPT_TOKENS)
 
 
 class MetricsPageError(ValueError):
@@ -58,8 +54,6 @@ def parse_vllm_metrics(page: str, scraped_at: float) -> ReplicaMetrics:
         engine_steps=_total(by_name[STEPS]),
         finished_requests=_total(by_name[FINISHED]),
         finished_prompt_tokens=_total(by_name[PROMPT_TOKENS]),
-        scheduled_requests=_total(by_name[SCHEDULED]),
-        scheduled_seconds=_seconds(by_name[RUNNING_SECONDS], by_name[QUEUED_SECONDS]),
         scraped_at=scraped_at,
         stale=False,
     )
@@ -68,12 +62,6 @@ def parse_vllm_metrics(page: str, scraped_at: float) -> ReplicaMetrics:
 def _total(samples: Sequence[Sample]) -> int | None:
     """The sum of a counter's samples over engines and models, None when the page does not export it."""
     return round(sum(s.value for s in samples)) if samples else None
-
-
-def _seconds(running: Sequence[Sample], queued: Sequence[Sample]) -> float | None:
-    """Seconds finished requests spent in the scheduler, running and waiting, over engines and models; None when the
-    page does not export both."""
-    return sum(s.value for s in (*running, *queued)) if running and queued else None
 
 
 def _gpu_blocks_by_engine(cache_config: Sequence[Sample]) -> dict[str, int]:

@@ -56,12 +56,10 @@ def unseen(state: EndpointState) -> int:
     Those sent since the scrape less those finished since, and at least what this gateway has open on it beyond
     the scraped count: vLLM sets its gauges once per engine step, after scheduling, so a request that reached it
     during the step before a scrape is in neither the page nor what was sent since (a step lasts up to seconds
-    on a CPU engine, or during a long prefill). Of what it has open, only the share the replica's scheduler holds
-    (`scheduler_share`, learned; policies/scheduler_share.py): vLLM's server holds each request a while before the
-    scheduler queues it and after it finished, and there it takes no seat.
+    on a CPU engine, or during a long prefill).
     """
     metrics = state.metrics
-    return max(state.recent, math.ceil(state.scheduler_share * state.in_flight) - metrics.running - metrics.waiting)
+    return max(state.recent, state.in_flight - metrics.running - metrics.waiting)
 
 
 def occupied(state: EndpointState) -> int:

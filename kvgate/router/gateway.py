@@ -248,7 +248,7 @@ class Gateway:
                 "accepting": state.endpoint.accepting, "in_flight": state.in_flight,
                 "seats": state.seats, "peer_seats": state.peer_seats, "filled": state.filled,
                 "chars_per_token": None if state.chars_per_token is None else round(state.chars_per_token, 3),
-                "occupied": occupied(state), "scheduler_share": round(state.scheduler_share, 3),
+                "occupied": occupied(state),
                 "models": sorted(state.models), "index_blocks": index.get(state.key, 0),
                 "routing": "precise" if self.precise is not None and self.precise.is_precise(state.key)
                 else "approximate",

@@ -77,7 +77,6 @@ class PickerStream:
         self._decision: Decision | None = None
         self._parsed: InferenceRequest | None = None
         self._replica: str | None = None  # the endpoint whose in-flight count this request holds
-        self._held_since = 0.0  # time.monotonic() when it was counted on that endpoint
         self._status = "-"
         self._body_seen = False  # the data plane sends the picker response bodies
         self._answered = False  # the response's body ended (its last chunk or its trailers came; an abort sends none)
@@ -115,7 +114,7 @@ class PickerStream:
         # alike for a finished answer and a client's abort, which vLLM leaves out: see docs/routing.md).
         if self._status == "200" and (self._answered or not self._body_seen) and replica != NO_REPLICA \
                 and self._parsed is not None:
-            self._gateway.fleet.answered(replica, self._parsed.info.prompt_chars, time.monotonic() - self._held_since)
+            self._gateway.fleet.answered(replica, self._parsed.info.prompt_chars)
         model = self._parsed.info.model if self._parsed else "-"
         path = self._request.headers.get(":path", "").partition("?")[0]
         # Only models some replica serves, and only routed paths, become label values.
@@ -220,7 +219,6 @@ class PickerStream:
         if self._replica is not None:
             self._release()
         key = self._replica = state.key
-        self._held_since = time.monotonic()
         gateway.fleet.acquire(key, self._parsed.info)
         gateway.metrics.in_flight.labels(key).inc()
         gateway.routed(self._parsed.info, state)

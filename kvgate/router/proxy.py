@@ -99,7 +99,6 @@ class Forwarder:
         answers: it raises Preempted then.
         """
         key = target.key
-        sent_at = time.monotonic()
         self._fleet.acquire(key, request.info)
         self._routed(request.info, target)
         gauge = self._metrics.in_flight.labels(key)
@@ -120,7 +119,7 @@ class Forwarder:
                 # vLLM sees the disconnect and aborts the generation.
                 if upstream.content.is_eof():
                     if upstream.status == 200:  # the engine finished it and counted its prompt's tokens
-                        self._fleet.answered(key, request.info.prompt_chars, time.monotonic() - sent_at)
+                        self._fleet.answered(key, request.info.prompt_chars)
                     upstream.release()
                 else:
                     upstream.close()

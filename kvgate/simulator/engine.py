@@ -145,7 +145,7 @@ class AsyncEngine:
         core, metrics = self.core, self._metrics
         step_start = loop.time()
         while True:
-            step = core.schedule(loop.time())
+            step = core.schedule()
             self._publish_events()
             metrics.publish(core)
             if not core.running:

@@ -66,6 +66,8 @@ _UNMODELLED: tuple[tuple[type, str, str, str | None, tuple[str, ...]], ...] = (
     (Histogram, "vllm:request_params_n", "Histogram of the n request parameter.", None, ()),
     (Histogram, "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", None, ()),
     (Histogram, "vllm:request_time_per_output_token_seconds", "Histogram of time per output token in seconds.", None, ()),
+    (Histogram, "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", None, ()),
+    (Histogram, "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.", None, ()),
     (Histogram, "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", None, ()),
     (Histogram, "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", None, ()),
     (Histogram, "vllm:request_num_preemptions", "Number of preemptions per request.", None, ()),
@@ -131,12 +133,6 @@ class EngineMetrics:
             "Histogram of e2e request latency in seconds.",
             buckets=_E2E_BUCKETS,
         )
-        # The time a request spent in the scheduler: waiting until first scheduled, then running until its last token.
-        self._queue_time = engine_metric(Histogram, "vllm:request_queue_time_seconds",
-                                         "Histogram of time spent in WAITING phase for request.", buckets=_E2E_BUCKETS)
-        self._inference_time = engine_metric(Histogram, "vllm:request_inference_time_seconds",
-                                             "Histogram of time spent in RUNNING phase for request.",
-                                             buckets=_E2E_BUCKETS)
         self._itl = engine_metric(
             Histogram,
             "vllm:inter_token_latency_seconds",
@@ -227,9 +223,6 @@ class EngineMetrics:
         if seq.finish_reason is not FinishReason.ABORT:  # vLLM records no request stats for a client's abort
             self._e2e.observe(now - seq.arrival_time)
             self._prompt_tokens.observe(seq.num_prompt_tokens)
-            if seq.scheduled_time is not None:
-                self._queue_time.observe(seq.scheduled_time - seq.arrival_time)
-                self._inference_time.observe(now - seq.scheduled_time)
 
     def render(self) -> bytes:
         """The Prometheus text page."""

@@ -54,7 +54,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     output_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
-    scheduled_time: float | None = None  # when the scheduler first took it in (vLLM's scheduled_ts), None before
     last_token_time: float | None = None
     last_token_gap: float | None = None  # inter-token latency of the newest token
     block_hashes: list[int] = field(default_factory=list)
@@ -165,15 +164,14 @@ class EngineCore:
         self.totals.aborts += 1
         return True
 
-    def schedule(self, now: float | None = None) -> ScheduledStep:
+    def schedule(self) -> ScheduledStep:
         """Spend the step's token budget as vLLM V1 does: running sequences first, in order, then waiting ones
         while no sequence was preempted and seats last. A prompt longer than the budget left is prefilled in
-        chunks over several steps (chunked prefill). `now` is when the step starts: a sequence's first scheduling
-        is timed from it."""
+        chunks over several steps (chunked prefill)."""
         budget = self._options.max_num_batched_tokens
         budget, preempted = self._schedule_running(budget)
         if not preempted:
-            self._admit_waiting(budget, now)
+            self._admit_waiting(budget)
         scheduled = [seq for seq in self.running if seq.num_scheduled]
         num_tokens = sum(seq.num_scheduled for seq in scheduled)
         decoding = sum(1 for seq in scheduled if seq.output_ids and seq.num_scheduled == 1)
@@ -261,7 +259,7 @@ class EngineCore:
         bisect.insort(self._waiting, seq, key=self._queue_key)
         self.totals.preemptions += 1
 
-    def _admit_waiting(self, budget: int, now: float | None) -> None:
+    def _admit_waiting(self, budget: int) -> None:
         """Move waiting sequences into the batch in queue order while budget, seats and blocks last. A sequence is
         admitted once blocks for all of it are free (vLLM's `--scheduler-reserve-full-isl`, on by default) and
         holds those of its first chunk."""
@@ -290,7 +288,6 @@ class EngineCore:
             seq.num_computed = hits * self._block_size
             if seq.num_cached_tokens < 0:  # the first scheduling counts, not a preempted sequence's return
                 seq.num_cached_tokens = seq.num_computed
-                seq.scheduled_time = now
                 if self.cache.enable_caching:
                     seq.num_cache_creation_tokens = (num_tokens // self._block_size - hits) * self._block_size
             self._schedule(seq, num_new)

@@ -15,7 +15,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgate.loadtest.kit.vllm_engine import VllmEngine
 from kvgate.policies.config import RoutingConfig
 from kvgate.policies.prefix_keys import build_request_info
-from kvgate.policies.scheduler_share import MIN_REQUESTS as SHARE_MIN_REQUESTS
 from kvgate.policies.token_rate import MIN_REQUESTS
 from kvgate.policies.traffic_view import MIN_FINISHED
 from tests.harness import running_gateway, wait_until
@@ -147,34 +146,6 @@ async def test_kvgate_reads_the_engines_metrics_page_and_sizes_its_index_from_it
     assert state.metrics.running == own["vllm:num_requests_running"] == 0
     assert state.metrics.waiting == own["vllm:num_requests_waiting"] == 0
     assert state.metrics.kv_cache_usage == own["vllm:kv_cache_usage_perc"]
-
-
-async def test_kvgate_learns_the_share_of_its_open_requests_that_the_engines_schedulers_hold(fresh_engines):
-    # vLLM's server renders, tokenizes and detokenizes outside the scheduler: a seat is held for less than a request's
-    # time through kvgate, by as much as the engine's own queue and inference times tell.
-    engine = fresh_engines[0]
-    bodies = [chat(n % 4, [f"Question {n:04d}: which section applies?"], max_tokens=8)
-              for n in range(SHARE_MIN_REQUESTS + 8)]
-    async with running_gateway(endpoints=[engine.url], scrape_interval=0.1) as gw, \
-            aiohttp.ClientSession() as session:
-        state = lambda: gw.gateway.fleet.snapshot().endpoints[0]  # noqa: E731
-        await wait_until(lambda: state().metrics.scheduled_requests is not None, timeout=10)
-        before, took = await engine_samples(session, engine), 0.0
-        for body in bodies:
-            started = time.monotonic()
-            async with session.post(gw.url + "/v1/chat/completions", json=body) as response:
-                assert response.status == 200, await response.text()
-                await response.read()
-            took += time.monotonic() - started
-        after = await engine_samples(session, engine)
-        finished = after["vllm:request_inference_time_seconds_count"]
-        await wait_until(lambda: state().metrics.scheduled_requests == finished, timeout=10)
-        share = state().scheduler_share
-    scheduled = sum(after[name] - before[name] for name in ("vllm:request_inference_time_seconds_sum",
-                                                            "vllm:request_queue_time_seconds_sum"))
-    assert finished - before["vllm:request_inference_time_seconds_count"] == len(bodies)
-    assert share < 0.95  # part of each request's time is spent in vLLM's server, holding no seat
-    assert share == pytest.approx(scheduled / took, rel=0.15)  # as the engine timed it (the client's time is a bit more)
 
 
 async def test_kvgate_learns_the_characters_per_token_the_engines_count(fresh_engines):
