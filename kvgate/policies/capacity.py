@@ -41,7 +41,8 @@ def _tokens_at(tokens: Tokens, key: str) -> int:
 
 @dataclass(frozen=True)
 class SaturationThresholds:
-    """A replica is saturated at this queue depth, KV-cache use or gateway in-flight count (0 = no limit)."""
+    """A replica is saturated at this queue depth, KV-cache use or gateway in-flight count (0 = no limit; a KV-cache
+    use of 1.0 = no limit: vLLM runs with its cache full and admits each request as blocks free)."""
 
     queue: int = 5
     kv_cache: float = 0.8
@@ -173,7 +174,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     if not seats and not probe:
         seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
-        full = (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache
+        full = limits.kv_cache < 1.0 and (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache
         if not metrics.stale and full and not (fits and not yields):
             return 0.0
         if limits.queue:
