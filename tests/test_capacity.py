@@ -44,8 +44,7 @@ def test_a_full_kv_cache_leaves_no_room_whatever_the_seats() -> None:
     full = EndpointState(Endpoint("a", "http://a:8000"), seats=8,
                          metrics=ReplicaMetrics(running=1, kv_cache_usage=0.9, scraped_at=1.0, stale=False))
     assert room_for([full], SaturationThresholds(kv_cache=0.8), ClassStanding()) == 0
-    brim = EndpointState(Endpoint("a", "http://a:8000"), seats=8,
-                         metrics=ReplicaMetrics(running=1, kv_cache_usage=1.0, scraped_at=1.0, stale=False))
+    brim = dataclasses.replace(full, metrics=dataclasses.replace(full.metrics, kv_cache_usage=1.0))
     assert room_for([brim], SaturationThresholds(kv_cache=1.0), ClassStanding()) == 5  # 1.0: only the queue bound holds
 
 

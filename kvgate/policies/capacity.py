@@ -50,6 +50,11 @@ class SaturationThresholds:
     seats: int = 0  # sequences each replica runs at once (vLLM --max-num-seqs); 0 = learn it from /metrics
     seated_queue: int = 0  # with a replica's seats known, requests that may wait inside it; the rest wait in kvgate
 
+    @property
+    def kv_bounded(self) -> bool:
+        """Whether the KV cache saturates a replica at all (`kv_cache` below 1.0)."""
+        return self.kv_cache < 1.0
+
 
 def unseen(state: EndpointState) -> int:
     """Requests on the replica that its last scrape does not show (negative when more finished than were sent).
@@ -174,7 +179,7 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     if not seats and not probe:
         seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
-        full = limits.kv_cache < 1.0 and (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache
+        full = limits.kv_bounded and (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache
         if not metrics.stale and full and not (fits and not yields):
             return 0.0
         if limits.queue:
@@ -327,7 +332,7 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
     (and `seated_queue` more, as for a replica whose seats are known), and nothing past it while another replica,
     `first`, fills first (first_to_fill)."""
     need = _tokens_at(tokens, state.key)
-    kv = kv_room(state, need, kv_reserve) if need and not probe and limits.kv_cache < 1.0 else math.inf
+    kv = kv_room(state, need, kv_reserve) if need and not probe and limits.kv_bounded else math.inf
     if not kv:
         return 0.0
     room = min(kv, headroom(state, limits, probe, yields, fits=math.isfinite(kv)))
