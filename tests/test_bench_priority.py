@@ -111,6 +111,16 @@ def test_admission_control_gives_interactive_a_lower_ttft_p99_than_fifo(
     assert runs["b"]["queues"]["gateway_queue_max"] == 0
 
 
+def test_the_report_says_how_full_the_replicas_ran(quick_run: tuple[dict[str, Any], str]) -> None:
+    report, docs = quick_run
+    runs = {run["key"]: run["queues"] for run in report["runs"]}
+    assert runs["b"]["replica_running_mean"] > 0  # the flood kept the replicas running
+    assert 0 < runs["b"]["replica_kv_use_mean"] <= 1
+    assert runs["b"]["engine_preemptions"] >= 0 and 0 <= runs["b"]["prompt_cached"] <= 1
+    assert report["unloaded"]["queues"]["replica_running_mean"] < runs["b"]["replica_running_mean"]
+    assert "replica running / KV use mean" in docs
+
+
 def test_poisson_schedule_stays_in_its_window_and_mixes_classes() -> None:
     arrivals = poisson_arrivals(rate=200.0, duration=5.0, batch_fraction=0.7, seed=3)
     assert 850 < len(arrivals) < 1150

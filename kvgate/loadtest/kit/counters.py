@@ -122,7 +122,8 @@ _COUNTERS = {
     "vllm:generation_tokens_total": "generation_tokens",
     "vllm:num_preemptions_total": "preemptions",
 }
-_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+           "vllm:kv_cache_usage_perc": "kv_cache_usage"}
 
 
 def _page_stats(page: str) -> dict[str, float]:

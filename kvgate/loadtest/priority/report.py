@@ -25,11 +25,14 @@ STREAMED_BATCH_THROUGHPUT_TARGET = 0.9
 @dataclass(slots=True)
 class QueueSamples:
     """Where requests wait while the load is on: inside the replicas (their probe's stats), in kvgate's queue, stale
-    scrapes."""
+    scrapes; and how full the replicas run (sequences running, KV cache use) and what their engines counted."""
 
     waiting: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)
+    kv_use: list[float] = field(default_factory=list)
     gateway_queue: list[int] = field(default_factory=list)
     stale: list[bool] = field(default_factory=list)
+    engine: dict[str, float] = field(default_factory=dict)  # the engines' counters at the last sample, summed
 
     async def sample(self, session: aiohttp.ClientSession, gateway_url: str, replica_urls: Sequence[str],
                      probe: ReplicaProbe) -> None:
@@ -38,17 +41,34 @@ class QueueSamples:
         async with session.get(gateway_url + "/debug/fleet") as response:
             fleet = await response.json()
         self.waiting += [int(replica["waiting"]) for replica in stats]
+        self.running += [int(replica["running"]) for replica in stats]
+        self.kv_use += [float(replica["kv_cache_usage"]) for replica in stats]
+        self.engine = {name: sum(float(replica.get(name, 0)) for replica in stats) for name in _ENGINE_COUNTERS}
         self.gateway_queue.append(int(fleet["queue"]["waiting"]))
         self.stale += [bool(endpoint["metrics"]["stale"]) for endpoint in fleet["endpoints"]]
 
     def summary(self) -> dict[str, Any]:
-        """Samples taken, replica queue mean (per replica) and max, kvgate's queue max, and the share of (sample,
-        replica) pairs judged on stale metrics (headroom then counts only what was sent since the last good scrape)."""
+        """Samples taken, replica queue mean (per replica) and max, running sequences and KV cache use per replica
+        (means), kvgate's queue max, the share of (sample, replica) pairs judged on stale metrics (headroom then counts
+        only what was sent since the last good scrape), the engines' preemptions and the share of prompt tokens their
+        prefix caches held, from the start of the run to the last sample."""
+        queries = self.engine.get("prefix_cache_queries", 0.0)
         return {"samples": len(self.gateway_queue),
-                "replica_waiting_mean": round(statistics.fmean(self.waiting), 1) if self.waiting else 0.0,
+                "replica_waiting_mean": _mean(self.waiting),
                 "replica_waiting_max": max(self.waiting, default=0),
+                "replica_running_mean": _mean(self.running),
+                "replica_kv_use_mean": _mean(self.kv_use, 2),
+                "engine_preemptions": int(self.engine.get("preemptions", 0)),
+                "prompt_cached": round(self.engine.get("prefix_cache_hits", 0.0) / queries, 3) if queries else None,
                 "gateway_queue_max": max(self.gateway_queue, default=0),
                 "stale_fraction": round(sum(self.stale) / len(self.stale), 3) if self.stale else 0.0}
+
+
+_ENGINE_COUNTERS = ("preemptions", "prefix_cache_hits", "prefix_cache_queries")
+
+
+def _mean(values: Sequence[float], digits: int = 1) -> float:
+    return round(statistics.fmean(values), digits) if values else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +159,8 @@ def _counts(stats: dict[str, Any]) -> str:
 
 _HEADER = ("run", "interactive TTFT p50 / p99 (ms)", "p99 vs unloaded", "interactive e2e p99 (ms)",
            "interactive ok / 429 / err / lost", "batch ok / 429 / err / lost", "batch req/s", "batch preempted",
-           "replica queue mean / max", "kvgate queue max", "interactive mean wait in kvgate (ms)", "stale scrapes")
+           "replica queue mean / max", "replica running / KV use mean", "engine preemptions",
+           "prompt tokens cached", "kvgate queue max", "interactive mean wait in kvgate (ms)", "stale scrapes")
 
 
 def _row(run: dict[str, Any], base: float) -> tuple[str, ...]:
@@ -150,8 +171,15 @@ def _row(run: dict[str, Any], base: float) -> tuple[str, ...]:
             f"{inter['ttft_p50_ms']:.0f} / {inter['ttft_p99_ms']:.0f}",
             f"{inter['ttft_p99_ms'] / base if base else float('inf'):.1f}x", f"{inter['e2e_p99_ms']:.0f}",
             _counts(inter), _counts(run["batch"]), f"{run['batch_throughput']:.1f}", str(run["batch_preempted"]),
-            f"{queues['replica_waiting_mean']} / {queues['replica_waiting_max']}", str(queues["gateway_queue_max"]),
+            f"{queues['replica_waiting_mean']} / {queues['replica_waiting_max']}",
+            f"{queues.get('replica_running_mean', '-')} / {queues.get('replica_kv_use_mean', '-')}",
+            str(queues.get("engine_preemptions", "-")), _share(queues.get("prompt_cached")),
+            str(queues["gateway_queue_max"]),
             f"{run['interactive_kvgate_wait_ms']:.0f}", f"{queues['stale_fraction']:.0%}")
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -197,7 +225,10 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"flood; every request counts in ok / 429 / err / lost. Batch req/s counts completed batch requests from the "
         f"flood's start to the end of its drain; batch preempted counts the times kvgate took a batch request's seat "
         f"back for an interactive one (it then queued again). Replica queue: requests waiting inside the replicas "
-        f"({queue_source}), kvgate queue: its admission queue, stale scrapes: share of samples where kvgate judged a "
+        f"({queue_source}), replica running / KV use: sequences running and KV cache use per replica, engine "
+        f"preemptions: the engines' own (out of KV blocks, vLLM preempts and recomputes), prompt tokens cached: the "
+        f"share of prompt tokens the engines' prefix caches held (engine counters to the last sample), kvgate queue: "
+        f"its admission queue, stale scrapes: share of samples where kvgate judged a "
         f"replica on stale metrics (headroom then counts only what was sent since the last good scrape); all "
         f"sampled every 0.5 s while the load was on.",
         "",
