@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvgate.endpoints.types import Endpoint, EndpointState, ReplicaMetrics
-from kvgate.policies.capacity import (ClassStanding, PromptTokens, SaturationThresholds, SeatLearner, first_to_fill, has_room,
+from kvgate.policies.capacity import (ClassStanding, PromptTokens, SaturationThresholds, SeatLearner, first_to_fill,
                                       kv_room, kv_seats, kv_slots, kv_usage, occupied, peer_seats, room_for,
                                       seat_to_free, with_room)
 from kvgate.policies.cost import requests_ahead
@@ -197,8 +197,8 @@ def test_a_class_that_yields_fills_one_replica_of_unknown_seats_at_a_time_until_
     batch, limits = ClassStanding(yields=True), SaturationThresholds()
     assert first_to_fill([c, a, b]) == "a"  # every gateway picks the same
     assert room_for([a, b, c], limits, batch) == 2  # a tenth of what a runs; b and c wait their turn
-    assert has_room(a, limits, batch, first="a") and not has_room(b, limits, batch, first="a")
-    assert has_room(b, limits, batch)  # asked alone, with no order given
+    assert with_room([a, b, c], limits, batch) == {"a"}
+    assert with_room([b], limits, batch) == {"b"}  # asked alone
     assert room_for([a, b, c], limits, ClassStanding(alone=False)) == 3 * 5  # the class above is not held back
     queued = dataclasses.replace(a, metrics=dataclasses.replace(metrics, waiting=2))
     assert first_to_fill([queued, b, c]) == "a"  # a queue seen once: an arrival between two engine steps, perhaps
@@ -283,12 +283,14 @@ def test_a_prompt_fits_where_its_blocks_are_free_beside_what_changed_since_the_s
     assert kv_room(cache(3, 0.61, elsewhere=1), 1500) == 0
     assert kv_room(cache(3, 0.61, in_flight=4), 1500) == 0
     assert kv_room(cache(3, 0.61, in_flight=4, recent=1, kv_grown=1520), 1500) == 1  # sent since: counted once
-    # A class that yields leaves room for a more important class's prompt beside its own, unless preemptible.
+    # A class that yields leaves room for a more important class's prompt beside its own, preemptible or not.
     leaving = ClassStanding(yields=True, alone=False, kv_reserve=1400)
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), leaving, tokens=1500) == 1
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9), leaving, tokens=1700) == 0
     assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9),
-                    dataclasses.replace(leaving, preemptible=True), tokens=1700) == 1
+                    dataclasses.replace(leaving, preemptible=True), tokens=1700) == 0
+    assert room_for([cache(3, 0.61)], SaturationThresholds(kv_cache=0.9),
+                    dataclasses.replace(leaving, yields=False), tokens=1700) == 1  # the class above is not active
     # A prompt whose system prompt a request in flight there holds takes only its question's blocks.
     full = [cache(4, 0.81)]
     assert room_for(full, SaturationThresholds(kv_cache=0.9), ClassStanding(alone=False),
@@ -310,14 +312,35 @@ def test_the_replicas_with_room_are_those_a_request_of_the_class_fits() -> None:
         return EndpointState(Endpoint(key, f"http://{key}:8000"), seats=8, metrics=metrics)
 
     fleet, limits, tokens = [cache("a", 0.82), cache("b", 0.5), cache("c", 0.1)], SaturationThresholds(), 1200
-    assert with_room(fleet, limits, ClassStanding(yields=True, alone=False), tokens) == {"b", "c"}
-    # The class the others yield to takes a replica past `kv_cache` where its prompt's blocks are free: that share is
-    # the room the classes below leave it (1,360 tokens free in a, for 1,216).
+    # Where a prompt's blocks are counted, no class is held back by `kv_cache`: what is past it is the room the classes
+    # below leave the class they yield to.
     assert with_room(fleet, limits, ClassStanding(alone=False), tokens) == {"a", "b", "c"}
     assert with_room(fleet, limits, ClassStanding(alone=False), 1400) == {"b", "c"}
     assert with_room(fleet, limits, ClassStanding(alone=False), 4000) == {"c"}  # 4,000 tokens fit only in c
-    assert with_room(fleet, limits, ClassStanding(alone=False), 4000) == {
-        state.key for state in fleet if has_room(state, limits, ClassStanding(alone=False), 4000)}
+    assert room_for(fleet, limits, ClassStanding(alone=False), 4000) == 1
+
+
+def test_a_class_that_yields_keeps_a_more_important_prompts_room_on_one_replica_where_it_costs_the_fewest() -> None:
+    def cache(key: str, usage: float) -> EndpointState:  # 500 blocks of 16 tokens, 5 of 8 seats running
+        metrics = ReplicaMetrics(running=5, kv_cache_usage=usage, block_size=16, num_gpu_blocks=500, scraped_at=1.0,
+                                 stale=False)
+        return EndpointState(Endpoint(key, f"http://{key}:8000"), seats=8, metrics=metrics)
+
+    limits, tokens = SaturationThresholds(), 1200  # each prompt takes 1,216 tokens: 76 blocks and one to grow by
+    leaving = ClassStanding(yields=True, alone=False, kv_reserve=tokens)
+    # 1,360, 3,920 and 7,120 tokens free: c keeps the room beside its three free seats' worth, so a still takes one.
+    fleet = [cache("a", 0.82), cache("b", 0.5), cache("c", 0.1)]
+    assert with_room(fleet, limits, leaving, tokens) == {"a", "b", "c"}
+    assert room_for(fleet, limits, leaving, tokens) == 1 + 3 + 3
+    # Two replicas with room for one prompt each: one keeps it (the first by key, as every gateway picks).
+    twins = [cache("b", 0.82), cache("a", 0.82)]
+    assert with_room(twins, limits, leaving, tokens) == {"b"}
+    assert room_for(twins, limits, leaving, tokens) == 1
+    assert with_room(twins, limits, dataclasses.replace(leaving, kv_reserve=0), tokens) == {"a", "b"}
+    # Where no replica has the prompt's room, every one keeps it: a short prompt that fits waits until one has.
+    full = [cache("a", 0.9)]
+    assert with_room(full, limits, leaving, 100) == frozenset()
+    assert with_room(full, limits, dataclasses.replace(leaving, kv_reserve=0), 100) == {"a"}
 
 
 def test_requests_sent_since_a_scrape_wait_behind_the_kv_blocks_it_showed_free() -> None:

@@ -165,22 +165,24 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     let past a learned seat count (_probe), so that it never waits in a replica's queue unless `seated_queue`
     allows it, and counts every request sent since the scrape to a replica of unknown seats as waiting: only
     a request that nobody more important waits behind is let into a replica on the hope that it has room.
-    A class that `yields` to a more important one also counts what the replica's KV cache holds at once
-    (kv_slots), so that it leaves room. For a request that does not probe, a replica of unknown seats whose
+    A class that `yields` to a more important one also counts what the replica's KV cache holds at once below
+    `kv_cache` (kv_slots), so that it leaves room, unless its prompt `fits` the replica's free KV blocks: kv_room
+    counted them beside the room it leaves. For a request that does not probe, a replica of unknown seats whose
     scrape shows a queue is full at its running count (full_at): it would wait there behind the queue, first
     come first served; else it has the seats its peers showed (peer_seats), except for a class that yields,
     which grows toward them (growth_step) and so still finds a replica that has more. A request that `fits` the
-    replica's free KV blocks (kv_room counted them) and yields to no class is not held back by `kv_cache`: that
-    share is the room the classes below leave it.
+    replica's free KV blocks (kv_room counted them) is not held back by `kv_cache`: what a class that yields leaves
+    free is counted in blocks (kv_room's reserve, or none where it gives its own up on demand), and the rest is
+    the room the classes below leave the class they yield to.
     """
     room = float("inf")
     metrics = state.metrics
-    seats = slots(state.seats, metrics, limits.kv_cache) if yields else state.seats
+    seats = slots(state.seats, metrics, limits.kv_cache) if yields and not fits else state.seats
     if not seats and not probe:
         seats = full_at(metrics) or (None if yields else likely_seats(state))
     if metrics.scraped_at is not None:
         full = limits.kv_bounded and (metrics.kv_cache_usage if probe else kv_usage(state)) >= limits.kv_cache
-        if not metrics.stale and full and not (fits and not yields):
+        if not metrics.stale and full and not fits:
             return 0.0
         if limits.queue:
             waiting = max(0, state.recent) if metrics.stale else estimated_waiting(state, not probe, seats)
@@ -207,23 +209,24 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     more important classes, pooled over the fleet because a request that needs a seat is routed to whichever
     replica has one.
     `probe` is headroom()'s. A class that `yields` to a more important one counts what a replica's KV cache
-    holds (kv_slots) as well as its seats, and fills a replica whose seats are unknown only by growth_step()
-    past its last scrape, one replica at a time (first_to_fill), so that its requests never make a queue that
-    others wait behind. A class that does not probe finds no room where a prompt of `tokens` (0 = not asked)
-    would wait for KV blocks (kv_room), beside room for a prompt of `kv_reserve` tokens kept for a more important
-    class.
+    holds (kv_slots) as well as its seats where its prompt's blocks are not counted (kv_room), and fills a replica
+    whose seats are unknown only by growth_step() past its last scrape, one replica at a time (first_to_fill), so
+    that its requests never make a queue that others wait behind. A class that does not probe finds no room where a
+    prompt of `tokens` (0 = not asked) would wait for KV blocks (kv_room), and leaves room for a prompt of
+    `kv_reserve` tokens kept for a more important class on one replica (rooms).
     """
     room = 0.0
     seated: list[tuple[EndpointState, int]] = []
-    first = first_to_fill(candidates) if yields else None
+    rooms = _rooms(candidates, limits, probe, yields, tokens, kv_reserve)
     for state in candidates:
-        seats = slots(likely_seats(state), state.metrics, limits.kv_cache) if yields else likely_seats(state)
+        by_slots = yields and not _counts_kv(state, limits, probe, tokens)
+        seats = slots(likely_seats(state), state.metrics, limits.kv_cache) if by_slots else likely_seats(state)
         if seats:
             seated.append((state, seats))
         else:
-            room += _room_on(state, limits, probe, yields, tokens, first, kv_reserve)
+            room += rooms[state.key]
     if seated:
-        seated_room = sum(_room_on(state, limits, probe, yields, tokens, first, kv_reserve) for state, _ in seated)
+        seated_room = sum(rooms[state.key] for state, _ in seated)
         if reserve > 0:
             total = sum(seats for _, seats in seated)
             kept = min(math.ceil(reserve * total), total - 1)  # never every seat: the class would starve
@@ -233,20 +236,36 @@ def fleet_headroom(candidates: Sequence[EndpointState], limits: SaturationThresh
     return room
 
 
-def has_room(state: EndpointState, limits: SaturationThresholds, standing: ClassStanding, tokens: Tokens = 0,
-             first: str | None = None) -> bool:
-    """Whether one replica takes one more request of a class so standing, its reserve aside (`tokens` as in
-    fleet_headroom, `first` the key first_to_fill() gives for its candidates)."""
-    return _room_on(state, limits, standing.probes, standing.yields, tokens, first, standing.kept_kv_reserve) >= 1
-
-
 def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds, standing: ClassStanding,
               tokens: Tokens = 0, among: Set[str] | None = None) -> frozenset[str]:
     """The keys of the candidates (of those in `among`, when given) that take one more request of a class so
-    standing (has_room)."""
-    first = first_to_fill(candidates) if standing.yields else None
-    return frozenset(state.key for state in candidates if (among is None or state.key in among)
-                     and has_room(state, limits, standing, tokens, first))
+    standing, its seat reserve aside (`tokens` as in fleet_headroom)."""
+    rooms = _rooms(candidates, limits, standing.probes, standing.yields, tokens, standing.kept_kv_reserve)
+    return frozenset(key for key, room in rooms.items() if room >= 1 and (among is None or key in among))
+
+
+def _rooms(candidates: Sequence[EndpointState], limits: SaturationThresholds, probe: bool, yields: bool,
+           tokens: Tokens, kv_reserve: int) -> dict[str, float]:
+    """Each candidate's room for one more request of a class (_room_on), room for a more important class's prompt of
+    `kv_reserve` tokens kept on one replica of the fleet.
+
+    Kept on one, not on each: an interactive request is routed to whichever replica has room for it, and on a fleet
+    whose cache holds a few prompts a replica, a prompt's room kept on every replica holds a fifth of the fleet's
+    cache idle. The replica that keeps it is the one where keeping it costs this class the fewest requests, of those
+    where the prompt's blocks are free now (the first by key on a tie, as every gateway picks); where it fits on
+    none, every replica keeps it, so that this class takes no room until a replica has that prompt's free again.
+    """
+    first = first_to_fill(candidates) if yields else None
+    free = {state.key: _room_on(state, limits, probe, yields, tokens, first) for state in candidates}
+    if not kv_reserve:
+        return free
+    kept = {state.key: _room_on(state, limits, probe, yields, tokens, first, kv_reserve) for state in candidates}
+    able = [state.key for state in candidates
+            if _counts_kv(state, limits, probe, kv_reserve) and kv_room(state, kv_reserve) >= 1]
+    if not able:
+        return kept
+    keeper = min(able, key=lambda key: (free[key] - kept[key], key))
+    return free | {keeper: kept[keeper]}
 
 
 def first_to_fill(candidates: Sequence[EndpointState]) -> str | None:
@@ -332,7 +351,7 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
     (and `seated_queue` more, as for a replica whose seats are known), and nothing past it while another replica,
     `first`, fills first (first_to_fill)."""
     need = _tokens_at(tokens, state.key)
-    kv = kv_room(state, need, kv_reserve) if need and not probe and limits.kv_bounded else math.inf
+    kv = kv_room(state, need, kv_reserve) if _counts_kv(state, limits, probe, tokens) else math.inf
     if not kv:
         return 0.0
     room = min(kv, headroom(state, limits, probe, yields, fits=math.isfinite(kv)))
@@ -346,6 +365,14 @@ def _room_on(state: EndpointState, limits: SaturationThresholds, probe: bool, yi
         step = growth_step(metrics, state.peer_seats) if first in (None, state.key) else 0
         allowed = step + limits.seated_queue - state.grown
     return min(room, max(0, allowed))
+
+
+def _counts_kv(state: EndpointState, limits: SaturationThresholds, probe: bool, tokens: Tokens) -> bool:
+    """Whether a request's room on the replica is counted in KV blocks (kv_room): it does not probe, its prompt is
+    known, the KV cache saturates at all (`kv_cache` below 1.0), and the replica's cache size and fresh metrics tell
+    what is free."""
+    return (not probe and bool(_tokens_at(tokens, state.key)) and limits.kv_bounded
+            and _kv_free(state.metrics) is not None)
 
 
 def growth_step(metrics: ReplicaMetrics, peer_seats: int | None = None) -> int:
@@ -403,9 +430,10 @@ class ClassStanding:
 
     @property
     def kept_kv_reserve(self) -> int:
-        """The KV room it leaves now for a more important class's prompt (kv_reserve), as kept_reserve: none when
-        preemptible, since it gives its blocks up on demand."""
-        return self.kv_reserve if self.yields and not self.preemptible else 0
+        """The KV room it leaves now for a more important class's prompt (kv_reserve): while that class is active,
+        preemptible or not (giving blocks up on demand costs the waiting request an engine step and the victim its
+        work; docs/benchmarks.md)."""
+        return self.kv_reserve if self.yields else 0
 
     @property
     def probes(self) -> bool:
@@ -423,7 +451,7 @@ def room_for(candidates: Sequence[EndpointState], limits: SaturationThresholds, 
     request is never the one let past a replica's learned seat count to wait there (it could take the
     next seat ahead of a more important one), and a request that may preempt one takes a free seat
     rather than a place behind a preemptible one; only `seated_queue` puts requests in a replica's queue
-    then. A preemptible request keeps no reserve, since it gives up its seat on demand. `tokens` is the
+    then. A preemptible request keeps no seat reserve, since it gives up its seat on demand. `tokens` is the
     asking request's prompt length (fleet_headroom).
     """
     if not candidates:
@@ -438,7 +466,8 @@ def kv_slots(metrics: ReplicaMetrics, kv_full: float) -> int | None:
     vLLM admits a request only when its blocks are free, so on a replica whose prompts are long its KV cache,
     not its seats, bounds what runs at once: the running sequences hold `kv_cache_usage` of the cache between
     them, and `kv_full` of it holds kv_full / usage times as many (at least one). Admission counts with it for a
-    class that yields to a more important one (so that KV room is left for it); a class alone fills the cache
+    class that yields to a more important one (so that KV room is left for it) where it cannot count the free
+    blocks themselves (kv_room: the cache size unknown, or no prompt asked); a class alone fills the cache
     as the replica itself would, and routing keeps to seats, since its cost model weighs a full cache itself.
     """
     if metrics.stale or metrics.scraped_at is None or metrics.running <= 0 or metrics.kv_cache_usage <= 0:

@@ -7,10 +7,9 @@ they are saturated (kvgate.policies.capacity.room_for, which counts what was sen
 scrape), less those already released but not yet sent. While a more important class has traffic, a class with
 a reserve leaves that share of every replica's seats free for it, so an interactive request finds a seat at
 once instead of waiting for a batch request to finish, and, where a replica's KV cache size is known, KV blocks
-free on every replica for the largest prompt the more important class sent lately. A request of a preemptible
-class that can be
-preempted (router/preemption.py) keeps no reserve: when a more important request finds no free seat, one
-such request gives up its own and waits here again, at the head of its class. Lower classes get a minimum
+free on one replica for the largest prompt the more important class sent lately. A request of a preemptible class
+that can be preempted (router/preemption.py) keeps no seat reserve (it keeps the KV room): when a more important
+request finds no free seat, one such request gives up its own and waits here again, at the head of its class. Lower classes get a minimum
 share of dispatches so they are never starved; under overflow the newest request of the least important
 class is shed first, with 429 and Retry-After.
 
