@@ -172,8 +172,8 @@ def headroom(state: EndpointState, limits: SaturationThresholds, probe: bool = T
     come first served; else it has the seats its peers showed (peer_seats), except for a class that yields,
     which grows toward them (growth_step) and so still finds a replica that has more. A request that `fits` the
     replica's free KV blocks (kv_room counted them) is not held back by `kv_cache`: what a class that yields leaves
-    free is counted in blocks (kv_room's reserve, or none where it gives its own up on demand), and the rest is
-    the room the classes below leave the class they yield to.
+    free is counted in blocks (kv_room's reserve, kept on one replica: _rooms), and the rest is the room the
+    classes below leave the class they yield to.
     """
     room = float("inf")
     metrics = state.metrics
@@ -246,12 +246,12 @@ def with_room(candidates: Sequence[EndpointState], limits: SaturationThresholds,
 
 def _rooms(candidates: Sequence[EndpointState], limits: SaturationThresholds, probe: bool, yields: bool,
            tokens: Tokens, kv_reserve: int) -> dict[str, float]:
-    """Each candidate's room for one more request of a class (_room_on), room for a more important class's prompt of
-    `kv_reserve` tokens kept on one replica of the fleet.
+    """Each candidate's room for one more request of a class (_room_on), with room for a more important class's
+    prompt of `kv_reserve` tokens kept on one replica of the fleet.
 
     Kept on one, not on each: an interactive request is routed to whichever replica has room for it, and on a fleet
-    whose cache holds a few prompts a replica, a prompt's room kept on every replica holds a fifth of the fleet's
-    cache idle. The replica that keeps it is the one where keeping it costs this class the fewest requests, of those
+    whose cache holds a few prompts a replica (issue 16's holds about four), a prompt's room kept on every replica
+    holds a large share of the fleet's cache idle. The replica that keeps it is the one where keeping it costs this class the fewest requests, of those
     where the prompt's blocks are free now (the first by key on a tie, as every gateway picks); where it fits on
     none, every replica keeps it, so that this class takes no room until a replica has that prompt's free again.
     """
