@@ -172,8 +172,8 @@ def _row(run: dict[str, Any], base: float) -> tuple[str, ...]:
             f"{inter['ttft_p99_ms'] / base if base else float('inf'):.1f}x", f"{inter['e2e_p99_ms']:.0f}",
             _counts(inter), _counts(run["batch"]), f"{run['batch_throughput']:.1f}", str(run["batch_preempted"]),
             f"{queues['replica_waiting_mean']} / {queues['replica_waiting_max']}",
-            f"{queues.get('replica_running_mean', '-')} / {queues.get('replica_kv_use_mean', '-')}",
-            str(queues.get("engine_preemptions", "-")), _share(queues.get("prompt_cached")),
+            f"{queues['replica_running_mean']} / {queues['replica_kv_use_mean']}", str(queues["engine_preemptions"]),
+            _share(queues["prompt_cached"]),
             str(queues["gateway_queue_max"]),
             f"{run['interactive_kvgate_wait_ms']:.0f}", f"{queues['stale_fraction']:.0%}")
 
